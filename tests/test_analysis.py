@@ -545,3 +545,29 @@ def test_analyze_stopped_in_its_first_video_says_nothing_was_written_and_whose_a
         f"statekv analyze: stopped by SIGTERM; no video was measured whole, so nothing was written to {out} "
         "(the analysis in it is an earlier run's)")
     assert (out / "analysis.json").read_bytes() == earlier
+
+
+def test_analyze_stopped_while_drawing_its_figures_keeps_a_report_naming_none(tiny_video_model, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Before: a stop while the figures were drawn left analysis.json and analysis.md naming figures that were
+    never written, and the stop said nothing of what was kept."""
+    import signal
+
+    import statekv.analysis.plots as plots
+    from statekv.console import Stopped
+
+    def stopped(document, out):
+        (out / "analysis_concentration.png").write_bytes(b"half a figure")
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(plots, "plot_all", stopped)
+    checkpoint, video = tiny_video_model
+    out = tmp_path / "report"
+    assert run_cli(["analyze", "--model", str(checkpoint), str(video), "--frames", "4", "--max-fps", "4", "--budgets",
+                    "1", "4", "--recency", "1", "--max-distance", "2", "--no-errors", "--out", str(out)]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"statekv analyze: stopped by SIGTERM; {out / 'analysis.json'} and {out / 'analysis.md'} hold the analysis "
+        "of every video (no figures)")
+    assert json.loads((out / "analysis.json").read_text())["figures"] == []
+    assert ".png" not in (out / "analysis.md").read_text()
+    assert sorted(path.name for path in out.iterdir()) == ["analysis.json", "analysis.md"]

@@ -147,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
         figures = plots.plot_all(document, args.out)
     except OutputError as error:
         raise OutputError(f"{error}; {json_path.name} and {markdown_path.name} hold the analysis") from None
+    except KeyboardInterrupt as stop:  # the report then names no figure, as none may have been drawn whole
+        _remove_figures(args.out)
+        document["figures"] = []
+        report.write_json(document, json_path)
+        report.write_text(report.markdown_summary(document, figures=[]), markdown_path)
+        note_kept(stop, f"{json_path} and {markdown_path} hold the analysis of every video (no figures)")
+        raise
     print(summary)
     for path in (json_path, markdown_path, *figures):
         print(f"wrote {path}")
