@@ -637,3 +637,24 @@ def test_omp_num_threads_is_read_as_openmp_reads_it(monkeypatch, value, threads)
 
     monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert omp_threads() == threads
+
+
+def test_the_json_written_over_an_earlier_one_is_whole_or_not_written(tmp_path):
+    """Before: the results were written in place, so a write cut short (a full disk, a kill) left a truncated JSON
+    where the earlier run's file had been."""
+    path = tmp_path / "bench.json"
+    path.write_text('{"earlier": true}\n')
+    child = (
+        "import resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from statekv.bench.summary import write_json\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # a write past it fails, as on a full disk\n"
+        "try:\n"
+        "    write_json(Path(sys.argv[1]), {'results': ['x' * 100] * 200})\n"
+        "except OSError:\n"
+        "    sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert json.loads(path.read_text()) == {"earlier": True}
+    assert sorted(item.name for item in tmp_path.iterdir()) == ["bench.json"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..flushing import write_whole
 from .load import LoadSettings, Run
 
 
@@ -177,7 +178,7 @@ def machine() -> str:
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
+    write_whole(path, (json.dumps(document, indent=2) + "\n").encode())
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, targets: Targets, title: str) -> None:
