@@ -907,3 +907,22 @@ def test_a_full_disk_while_training_is_one_line_naming_it_and_keeps_the_log(tmp_
     assert result["kind"] == "OutputError" and "\n" not in result["message"], result
     assert "the disk is full or a file size limit was reached" in result["message"], result
     assert training.trained_steps(tmp_path) == 4 and not (tmp_path / training.UNFINISHED_STATE_FILE).exists()
+
+
+def test_a_stop_logs_the_steps_since_the_last_log_line_as_stop_after_does(tmp_path, monkeypatch):
+    """Before: a stop between two log lines saved its steps in the checkpoint but left them out of log.jsonl, so the
+    resumed run's next line averaged only the steps after the stop."""
+    recipe = training.Recipe(videos_per_batch=2, curriculum=((0, 2), (3, 4)), log_every=4, checkpoint_every=4,
+                             warmup_steps=1, long_range=LongRange(steps=0))
+    _stop_at(monkeypatch, 3)
+    with pytest.raises(Stopped):
+        training.train(recipe, tmp_path / "stopped", threads=1)
+    monkeypatch.undo()
+    training.train(recipe, tmp_path / "split", threads=1, stop_after=3)
+
+    def logged(run):
+        lines = [json.loads(line) for line in (tmp_path / run / training.LOG_FILE).read_text().splitlines()]
+        return [{k: v for k, v in line.items() if "seconds" not in k} for line in lines]
+
+    assert [line["step"] for line in logged("stopped")] == [3]
+    assert logged("stopped") == logged("split")

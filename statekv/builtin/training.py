@@ -31,10 +31,11 @@ benchmark's 96; trained on long videos from the start the model stays at chance.
 A last phase (`statekv.builtin.long_range.LongRange`, with a fresh optimiser) trains it for streams past its
 range: frames far apart in long streams, named by their second, packed or spread as a question reads them.
 
-The run directory holds ``log.jsonl`` (one line per ``log_every`` steps: loss, answer accuracy per family,
-learning rate, time), ``checkpoint.pt`` (model, optimiser and step; written atomically every
-``checkpoint_every`` steps, and when a stop (Ctrl-C, SIGTERM, SIGHUP) ends the run; the one before it is kept as
-``checkpoint.previous.pt``, so a damaged latest checkpoint resumes from the one before) and, at the end,
+The run directory holds ``log.jsonl`` (one line per ``log_every`` steps, and one for the steps since the last at a
+stop or ``stop_after``: loss, answer accuracy per family, learning rate, time), ``checkpoint.pt`` (model,
+optimiser and step; written atomically every ``checkpoint_every`` steps, and when a stop (Ctrl-C, SIGTERM,
+SIGHUP) ends the run; the one before it is kept as ``checkpoint.previous.pt``, so a damaged latest checkpoint
+resumes from the one before) and, at the end,
 ``model/``: the checkpoint folder (``save_pretrained``).
 """
 
@@ -225,7 +226,7 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
             with whole():  # a stop lands before the update or after its count: a checkpoint names the step it holds
                 optimizer.step()
                 step += 1
-            window.add(parts, answers)
+                window.add(parts, answers)  # with the count: a stop's log line below holds every step it counts
             if step % recipe.log_every == 0 or step == last:
                 _log(out, window.flush(step, recipe, time.monotonic() - started))
             if step % recipe.checkpoint_every == 0 or step == last:
@@ -233,6 +234,8 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
                 saved = step
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: keep every step finished (an interrupted one is redone)
         if step > saved:
+            if window.parts:  # the steps since the last log line, logged as --stop-after logs its last step
+                _log(out, window.flush(step, recipe, time.monotonic() - started))
             _save_state(out, recipe, model, optimizer, step, time.monotonic() - started, marks)
         logger.info("stopped after step %d of %d; checkpoint saved to %s (rerun to go on)", step, recipe.steps,
                     out / STATE_FILE)
