@@ -113,3 +113,20 @@ def test_a_stream_keeps_its_segment_index_and_answers_hierarchically(tiny_lm, mo
     prompt = torch.tensor([[5, 6, 7]])
     answer = prefill.generate(prompt, max_new_tokens=3, retrieve=Retrieval(2, keep_tokens=3))
     assert torch.equal(answer, resumed.generate(prompt, max_new_tokens=3, retrieve=Retrieval(2, keep_tokens=3)))
+
+
+def test_the_flat_attention_rule_ignores_the_summaries_of_evicted_steps():
+    """An evicted step's summaries are given back (zeros where whole pages went, stale keys elsewhere): the steps
+    the flat rule keeps must not depend on what they hold, as the hierarchical rule's do not."""
+    evicted = set(range(1, 40))
+    for seed in range(20):
+        seen, _ = question(seed)
+        flat = {**seen.__dict__, "segments": None, "evicted": evicted}
+        kept = Retrieval(4, keep_tokens=3).choose(LayerQuestion(**{**flat, "memory": {}}))
+        samples = seen.samples.clone()
+        samples[:, :, 1:40] = 0
+        means = seen.step_means.clone()
+        means[:, :, 1:40] = 0
+        given_back = LayerQuestion(**{**flat, "samples": samples, "step_means": means, "memory": {}})
+        assert Retrieval(4, keep_tokens=3).choose(given_back) == kept, seed
+        assert not set(kept) & evicted

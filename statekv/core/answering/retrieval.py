@@ -231,11 +231,17 @@ class AttentionShare(RetrievalRule):
         if seen.others is not None:  # what stands for the keys outside the candidates, in the softmax
             other_keys, weights = seen.others
             others = (other_keys[0].float().to(keys.device), weights.float().to(keys.device))
+        gone = None
+        if seen.candidates is None and seen.evicted:  # their summaries were given back: out of the softmax
+            owners = torch.arange(len(steps)).repeat_interleave(torch.tensor(steps, dtype=torch.long))
+            gone = seen.evicted.mask(len(seen.steps))[owners].to(keys.device)
         rows = max(1, SCORE_BLOCK // max(hkv * (tokens + (0 if others is None else others[1].shape[0])), 1))
         shares = []
         for start in range(0, group * prompt, rows):
             block = queries[:, start:start + rows]
             logits = torch.baddbmm(keys.new_zeros(()), block, keys.transpose(1, 2), beta=0, alpha=seen.scale)
+            if gone is not None:
+                logits = logits.masked_fill(gone, -math.inf)
             if others is not None:
                 extra = torch.baddbmm(keys.new_zeros(()), block, others[0].transpose(1, 2), beta=0,
                                       alpha=seen.scale) + others[1]
