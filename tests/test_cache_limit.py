@@ -557,3 +557,20 @@ def test_an_evicting_quantized_stream_holds_no_more_than_its_cap(adapter, kv_cac
         reported.append(stream.prefill.stats.detailed_bytes)
     assert stream.prefill.cache.evicted_steps and max(reported) <= 60_000, max(reported)
     assert max(reported[60:]) <= 1.2 * max(reported[20:40])  # it holds what it keeps, not what it streamed
+
+
+def test_segments_of_one_step_are_given_back_as_their_step_is_evicted(adapter, monkeypatch):
+    """With one step per segment (the retrieval benchmark's ``--segment-steps 1``) each eviction empties its
+    segments at once: the stream goes on and questions still retrieve (before: a KeyError at the first eviction)."""
+    import statekv.core.storage.layer_storage as layer_storage
+
+    monkeypatch.setattr(layer_storage, "SEGMENT_STEPS", 1)
+    lengths, per_token, per_step = _steps(adapter, 3)
+    cap = (lengths[0] + max(lengths[1:]) * 6) * per_token + 60 * per_step
+    stream = tiny_qa(adapter, "statekv", offload=True, max_cache_bytes=cap, cache_limit="evict-oldest").stream()
+    for frame in random_frames(30):
+        stream.push(frame)
+    keeper, cache = stream.prefill.keeper, stream.prefill.cache
+    assert keeper.released_segments == len(cache.evicted_steps) > 0
+    stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2)
+    assert not set(stream.answer_info.read_frames) & set(stream.frames_of(tuple(cache.evicted_steps)))

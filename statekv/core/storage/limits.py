@@ -170,7 +170,7 @@ class CacheKeeper:
             segment = step // per_segment
             count = self._evicted_in.get(segment, 0) + 1
             if count == per_segment:
-                del self._evicted_in[segment]
+                self._evicted_in.pop(segment, None)  # a segment of one step was never counted
                 emptied.append(segment)
             else:
                 self._evicted_in[segment] = count
