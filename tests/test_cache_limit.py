@@ -574,3 +574,24 @@ def test_segments_of_one_step_are_given_back_as_their_step_is_evicted(adapter, m
     assert keeper.released_segments == len(cache.evicted_steps) > 0
     stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2)
     assert not set(stream.answer_info.read_frames) & set(stream.frames_of(tuple(cache.evicted_steps)))
+
+
+def test_past_the_range_retrieving_at_least_every_held_frame_answers_as_the_whole_held_cache(tmp_path):
+    """Past the model's range, a cap that keeps only a few frames leaves a held cache that fits the range whole: a
+    question retrieving at least every held frame reads them all, as the question without retrieval does
+    (before: refused whenever k frames of the widest step would not fit, though only the held ones are read)."""
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "ckpt", text_config=short,
+                                      vision_config={"image_size": 112})
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24, offload=True,
+                                         max_cache_bytes="60K", cache_limit="evict-oldest")
+    stream = qa.stream()
+    for frame in random_frames(60, height=32, width=32):
+        stream.push(frame)
+    held = stream.frames - stream.stats.evicted_frames
+    assert stream.prefill.positions.moved and 1 < held < 10
+    whole = stream.ask_tokens(QUESTION, max_new_tokens=3)
+    assert stream.answer_info.context == "whole"
+    for frames in (held, held + 1, 50):
+        assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=3, retrieve=frames), whole), frames
+        assert stream.answer_info.read_frames == tuple(range(stream.frames - held, stream.frames))

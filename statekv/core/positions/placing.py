@@ -236,10 +236,12 @@ class StreamPositions:
         self.moved = self.moved or plan.base != plan.first
 
     # -- questions ---------------------------------------------------------------------------------------------
-    def question(self, held_span: int, keep_end: int, room: int, retrieve: int | None) -> QuestionPlan:
+    def question(self, held_span: int, keep_end: int, room: int, retrieve: int | None,
+                 held_steps: int | None = None) -> QuestionPlan:
         """How a question whose prompt and answer take ``room`` positions reads the stream: the whole cache when
-        its ``held_span`` positions fit with the room in the range (and no retrieval is asked), else ``retrieve``
-        steps per layer (default: as many as fit after the kept prefix, which ends at ``keep_end``).
+        its ``held_span`` positions fit with the room in the range (and no retrieval is asked, or one of at least
+        the ``held_steps`` steps it could choose from), else ``retrieve`` steps per layer (default: as many as fit
+        after the kept prefix, which ends at ``keep_end``).
 
         Retrieved steps past the range are read `spread` over the last ``question_span`` positions before the
         prompt when they take fewer: packed right before it, 16 frames read like a 16-frame video whose last frame
@@ -251,11 +253,12 @@ class StreamPositions:
                                "after the prompt prefix; ask a shorter question or fewer answer tokens")
         if self.next_first + room <= limit:  # the stream fits: everything at its own position, as `stream` does
             return QuestionPlan(retrieve is None, self.next_first, retrieve, packed=False)
-        if retrieve is None and held_span + room <= limit:
+        read = retrieve if retrieve is None or held_steps is None else min(retrieve, held_steps)
+        if (retrieve is None or read == held_steps) and held_span + room <= limit:  # every held step is read
             return QuestionPlan(True, held_span)
         widest = max(self.widest, 1)
         fitting = (limit - room - keep_end) // widest
-        if retrieve is not None and retrieve > fitting:
+        if retrieve is not None and read > fitting:
             raise HorizonError(f"{retrieve} retrieved steps of up to {widest} positions and the question "
                                f"({room} tokens) do not fit in the model's {limit} positions; retrieve at most "
                                f"{fitting}")
@@ -263,7 +266,7 @@ class StreamPositions:
             raise HorizonError(f"the question and answer ({room} tokens) leave no room for a retrieved step of "
                                f"{widest} positions in the model's {limit}; ask a shorter question or fewer answer "
                                "tokens")
-        steps = retrieve if retrieve is not None else fitting
+        steps = read if retrieve is not None else fitting
         start = keep_end + steps * widest
         if self.question_span:
             start = min(max(start, keep_end + self.question_span), limit - room)

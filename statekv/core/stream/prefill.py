@@ -469,9 +469,17 @@ class StreamingPrefill:
             if start >= keep:
                 break
             keep_steps, start = keep_steps + 1, start + length
+        held = None
+        if retrieve is not None:  # the steps it chooses among: those after the ones it keeps whole
+            first, end = 0, 0
+            for length in self.cache.chunk_lengths:
+                if end + length > retrieve.keep_tokens:
+                    break
+                first, end = first + 1, end + length
+            held = len(self.cache.chunk_lengths) - first - self.cache.evicted_steps.count_from(first)
         plan = self.positions.question(self.positions.held_span(self.cache.evicted_steps),
                                        self.positions.keep_end(keep_steps), room,
-                                       None if retrieve is None else retrieve.steps)
+                                       None if retrieve is None else retrieve.steps, held)
         return QuestionPlan(plan.whole, plan.start, plan.retrieve, keep_steps, plan.packed)
 
     @property
