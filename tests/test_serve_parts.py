@@ -523,3 +523,16 @@ def test_a_server_raises_its_soft_limit_on_open_files_to_its_hard_limit():
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_stream_setting_not_among_its_choices_is_named_as_the_client_sent_it():
+    """A retrieval rule (or method) the server does not know is written as JSON in its one-line 400, as every
+    other bad setting is: ``"bogus"`` and ``["rekv"]``, not Python's ``'bogus'`` and ``['rekv']``."""
+    from statekv.serve.stream_settings import spelt_as_json
+    from statekv.settings.methods import retrieval_rule
+
+    for value, written in (("bogus", '"bogus"'), (["rekv"], '["rekv"]'), ({"a": 1}, '{"a": 1}')):
+        with pytest.raises(ConfigurationError) as refused:
+            retrieval_rule(value)
+        message = spelt_as_json(str(refused.value), {"retrieve": 2, "retrieval": value})
+        assert message == f"unknown retrieval rule {written}; choose one of attention, rekv, recent"

@@ -193,6 +193,9 @@ def spelt_as_json(message: str, body: dict[str, Any]) -> str:
     for name in METHOD_FIELDS:
         if name in body and message.endswith(f"got {body[name]!r}"):
             return message[:-len(repr(body[name]))] + shown(body[name])
+        unknown = f" {body.get(name)!r}; choose one of "  # a name not among the choices, written mid-message
+        if name in body and unknown in message:
+            return message.replace(unknown, f" {shown(body[name])}; choose one of ", 1)
     return message
 
 
