@@ -333,6 +333,24 @@ def test_a_kill_loses_at_most_the_steps_since_the_last_checkpoint(adapters, tmp_
     assert (synced.frames, synced.frames_lost) == (12, 0)
 
 
+def test_stream_sync_makes_the_file_set_durable_up_to_now(adapters, tmp_path):
+    """`Stream.sync` (what `statekv serve` saves a disk-tier stream with) checkpoints the last step and syncs the
+    file set: a kill after it resumes every frame taken, though no checkpoint was due since the first step."""
+    qa = tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path / "tier")
+    stream = qa.stream(horizon_frames=12)
+    for frame in random_frames(10):
+        stream.push(frame)
+    folder = stream.prefill.disk.folder
+    unsynced = Stream.load(shutil.copytree(folder, tmp_path / "unsynced"), qa)
+    assert unsynced.frames_lost > 0
+    stream.sync()
+    resumed = Stream.load(shutil.copytree(folder, tmp_path / "killed"), qa)
+    assert (resumed.frames, resumed.frames_lost) == (10, 0)
+    unsynced.close()
+    resumed.close()
+    stream.close()
+
+
 def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, every_step):
     frames = random_frames(6)
     memory = tiny_qa(adapters["chat"], offload=True, kv_cache_dtype="int4").stream(horizon_frames=6)

@@ -1166,8 +1166,9 @@ def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_unt
         qa, tmp_path, options, monkeypatch, caplog):
     """Before: a server started after a kill without --offload disk served a disk-tier stream from its last save,
     dropped without a word the frames journaled since, and wrote its record without its file set, so that no later
-    start found them (and one started with another --offload-dir said nothing of them either). A stop's save holds
-    every frame: a start without the disk tier serves it."""
+    start found them (and one started with another --offload-dir said nothing of them either). After a clean stop
+    too its frames are in its file set alone (its saves make the file set durable, copying nothing): a start
+    without the disk tier lists it as damaged, naming the flags that serve it."""
     import statekv.core.disk.tier
 
     monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 1)
@@ -1194,7 +1195,50 @@ def test_a_start_without_the_disk_tier_quarantines_a_killed_disk_tier_stream_unt
     with Running(tmp_path / "state-again", qa, options=options) as server, server.client() as client:
         assert client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
     with Running(state, qa, options=options) as server, server.client() as client:
+        listed = client.get("/v1/streams").json()["data"][0]
+        assert listed["state"] == "damaged" and "kept in its disk-tier file set" in listed["damaged"], listed
+        assert "start the server with --offload disk and the --offload-dir" in listed["damaged"]
+    assert not list((state / "streams").glob("*.safetensors"))  # its saves wrote no copy of its cache
+    with Running(state, qa, options=disk) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 5
+
+
+def test_a_disk_tier_streams_saves_write_no_copy_of_its_cache_and_a_restart_resumes_it_whole(qa, tmp_path,
+                                                                                                options):
+    """Before: every save of a disk-tier stream wrote a whole copy of its detailed cache into the state folder,
+    although its file set holds every push: the bytes of each save grew with the stream's age. Its saves now make
+    its file set durable and write its record alone, and a restart resumes it in its file set, bit-exactly."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    streams, written = state / "streams", []
+
+    def held() -> int:
+        return sum(path.stat().st_size for path in streams.iterdir() if path.is_file())
+
+    images = [np.asarray(Image.open(io.BytesIO(_png(seed))).convert("RGB")) for seed in range(13)]
+    with Running(state, qa, options=disk, save_every_frames=4) as server, server.client() as client:
+        stream_id = _stream(client, frames=0, max_fps=1.0)
+        for index in range(12):
+            if index in (4, 8):  # each push saves the stream first
+                written.append(held())
+            _push(client, stream_id, index, float(index)).raise_for_status()
+            if index in (4, 8):
+                written[-1] = held() - written[-1]
+        assert client.get(f"/v1/streams/{stream_id}").json()["saved"]["frames"] == 8
+    assert not list(streams.glob("*.safetensors")) and max(written) < 4096, written  # its record alone
+    assert json.loads((streams / f"{stream_id}.json").read_text())["tier_saved"] is True
+    elsewhere = options.with_changes(offload="disk", offload_dir=str(tmp_path / "elsewhere"))
+    with Running(state, qa, options=elsewhere) as server, server.client() as client:  # no save to serve it from
+        listed = client.get("/v1/streams").json()["data"][0]
+        assert listed["state"] == "damaged" and "is not in --offload-dir" in listed["damaged"], listed
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 12
+        _push(client, stream_id, 12, 12.0).raise_for_status()
+        answer = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 6})
+    alone = qa.stream(16, max_fps=1.0)
+    for index, image in enumerate(images):
+        alone.push(image, float(index))
+    assert answer.json()["answer"] == alone.ask(QUESTION, max_new_tokens=6)
 
 
 def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(qa, tmp_path, options, caplog,
@@ -1261,6 +1305,12 @@ def test_a_start_that_a_kill_cut_short_while_it_loaded_a_stream_into_a_new_file_
     def file_sets():
         return sorted(path.name for path in tier.iterdir() if path.is_dir())
 
+    record = state / "streams" / f"{kept}.json"  # as saved whole before saves made its file set durable instead
+    whole = statekv.Stream.load(tier / file_sets()[0], qa.with_options(offload="disk", offload_dir=str(tier)),
+                                stream_id=kept, owner=json.loads(record.read_text())["owner"])
+    whole.save(state / "streams" / f"{kept}.safetensors")
+    whole.close()
+    record.write_text(json.dumps({**json.loads(record.read_text()), "tier_saved": False}))
     shutil.rmtree(tier / file_sets()[0])  # lost with its disk: the next start loads it from its save
     write_record = StreamEntry.write_record
 

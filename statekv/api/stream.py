@@ -359,6 +359,16 @@ class Stream(EncodedVideo):
                              f"wait for a batch of {self.batch_frames}); push more frames or flush() first")
         return save_stream(self, path)
 
+    @_one_at_a_time
+    def sync(self) -> None:
+        """Make a disk-tier stream's file set durable up to now, as `save` does first: the carried state
+        checkpointed at its last step and every file forced to the storage device, so its folder resumes
+        (`load`) with every step taken so far. Nothing to do off the disk tier; an `OutputError` when the device
+        fails it. Its cost follows the steps since the last sync, not the stream's length."""
+        self.prefill.check_open()
+        self.prefill.sync()
+        self.durability.sync()
+
     @classmethod
     def load(cls, path: str | Path, qa: Any, *, allow_other_weights: bool = False,
              kv_cache_dtype: str | None = None, stream_id: str | None = None, owner: str | None = None) -> "Stream":

@@ -59,6 +59,7 @@ class StreamEntry:
     quarantined: str | None = None  # why it was found damaged while served (then deleted too: no longer served)
     replica: str | None = None  # the replica holding it, when several share the state folder
     stopped: bool = False  # saved with every frame it took as the server stopped (its disk-tier file set not needed)
+    tier_saved: bool = False  # its last save is its disk-tier file set made durable: no save of its own holds it
     owned: bool = True  # its files name its id and owner (False: brought back from files saved before they did)
     closed: bool = False  # closed at shutdown, once saved
     recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
@@ -154,7 +155,7 @@ class StreamEntry:
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
-                "engine": made_with(self.stream), "stopped": self.stopped,
+                "engine": made_with(self.stream), "stopped": self.stopped, "tier_saved": self.tier_saved,
                 "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
                 "saved_watches": sorted(self.saved_watches),
                 "watch_order": watch_order(self.stream), **page_fields(self)}

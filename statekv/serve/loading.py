@@ -50,7 +50,7 @@ class StreamLoader:
         ids = {"stream_id": data["id"], "owner": data["owner"]} if data.get("owned") else {}
         stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         saved_watches = frozenset()  # those of a file set: the next save holds them
-        from_save = False
+        from_save, tier_saved = False, stream is not None and data.get("tier_saved") is True
         if stream is None:
             with self.files.local_state(data["id"]) as state:
                 stream = None if state is None else Stream.load(state, qa, **ids)
@@ -76,7 +76,7 @@ class StreamLoader:
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches,
-                            from_save=from_save)
+                            from_save=from_save, tier_saved=tier_saved)
         if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
             try:
                 self.files.remove_note(entry.id)
@@ -111,24 +111,34 @@ class StreamLoader:
         none, or its save holds every frame it took: the server stopped after saving it, its record ``stopped``).
         One a server without a disk tier cannot read raises `Quarantined`: its frames since its save would be lost;
         one missing from ``--offload-dir`` (lost with its disk, or elsewhere) comes back from its save, the loss
-        logged. A file set that cannot be resumed raises `Quarantined`, once it is moved into the state folder's
-        quarantine (left where it is when another process holds it, or it cannot be moved): it holds the pushes
-        since the last save, so the stream is not served from its save without them. ``healing``: as `load`."""
+        logged. A stream whose saves made its file set durable (its record ``tier_saved``) has no save to come
+        back from: it raises `Quarantined` wherever its file set is not resumed. A file set that cannot be resumed
+        raises `Quarantined`, once it is moved into the state folder's quarantine (left where it is when another
+        process holds it, or it cannot be moved): it holds the pushes since the last save, so the stream is not
+        served from a save without them. ``healing``: as `load`."""
+        alone = data.get("tier_saved") is True  # no save of its own: its frames are in its file set alone
+        kept = (f"its frames are kept in its disk-tier file set {data.get('tier')} alone" if alone else
+                f"the frames it took since its last save are journaled in its disk-tier file set {data.get('tier')}")
         if not data.get("tier") or (qa.engine.offload != "disk" and healing) or not (self.resume_tiers or healing):
             if healing:
                 raise Quarantined("it has no disk-tier file set to be brought back from")
+            if alone and data.get("tier"):
+                raise Quarantined(f"{kept}, which servers sharing a state folder do not resume: start one server "
+                                  "alone with --offload disk and the --offload-dir it was served with")
             return None
         if qa.engine.offload != "disk":
-            if data.get("stopped"):
+            if data.get("stopped") and not alone:
                 return None
-            raise Quarantined(f"the frames it took since its last save are journaled in its disk-tier file set "
-                              f"{data['tier']}, which a server without --offload disk does not read: start the "
-                              "server with --offload disk and the --offload-dir it was served with")
+            raise Quarantined(f"{kept}, which a server without --offload disk does not read: start the server with "
+                              "--offload disk and the --offload-dir it was served with")
         root = Path(qa.engine.offload_dir)
         folder = root / data["tier"]
         if not folder.is_dir():
             if healing:
                 raise Quarantined(f"its disk-tier file set {folder.name} is missing")
+            if alone:  # nothing else to serve it from: never served without its frames
+                raise Quarantined(f"{kept}, which is not in --offload-dir: start the server with the --offload-dir "
+                                  "it was served with")
             if not data.get("stopped"):  # lost with its disk, or in another folder: said, the stream served
                 log.error("stream %s: its disk-tier file set %s is not in --offload-dir: it comes back from its last "
                           "save (%s frames) in a new file set, without the frames journaled in %s since (a file "

@@ -40,6 +40,7 @@ from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
+from .tier_saves import save_stream, saved_in_tier
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -391,17 +392,15 @@ class StreamRegistry:
 
     # -- saving --------------------------------------------------------------------------------------------
     def save_now(self, entry: StreamEntry) -> None:
-        """Save the stream (on the model's thread) and note what was saved in its record (its record alone for a
-        stream with no cache to save: a simplestream stream's last frames are not kept)."""
-        if entry.deleted or not entry.dirty and self.files.has_state(entry.id):
+        """Save the stream (on the model's thread: `tier_saves.save_stream`) and note what was saved in its record
+        (its record alone for a stream with no cache to save: a simplestream stream's last frames are not kept)."""
+        in_tier = saved_in_tier(entry, self.placement.resume_tiers)
+        if entry.deleted or not entry.dirty and (entry.tier_saved if in_tier else self.files.has_state(entry.id)):
             return
-        saved_watches = frozenset()  # a stream with no cache to save keeps its watches' events in its record alone
-        if getattr(entry.stream, "keeps_cache", True):
-            saved_watches = frozenset(watch.id for watch in entry.stream.watches)  # what its save holds
-            self.files.save_state(entry.id, entry.stream.save)
+        saved_watches = save_stream(entry, self.files, in_tier)
         with entry.recording:  # together: a record written meanwhile cuts its watches' events where it says
             entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
-            entry.saved_watches = saved_watches
+            entry.saved_watches, entry.tier_saved = saved_watches, in_tier
         entry.saved_at = time.monotonic()
         if entry.save_error is not None:
             log.warning("stream %s is saved again (its saves had failed: %s)", entry.id, entry.save_error)
@@ -449,8 +448,8 @@ class StreamRegistry:
                 with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
                     entry.write_record(self.files)
                 continue
-            if entry.tier is not None and not entry.deleted:  # its save holds every frame: a start without the
-                entry.stopped = True  # disk tier may serve it from there
+            if entry.tier is not None and not entry.deleted and not entry.tier_saved:  # its save holds every frame:
+                entry.stopped = True  # a start without the disk tier may serve it from there
                 try:
                     entry.write_record(self.files)
                 except (StateKVError, OSError) as error:

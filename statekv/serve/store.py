@@ -80,6 +80,7 @@ def check_record(record: object, stream_id: str) -> dict[str, Any]:
         "tier": lambda v: v is None or isinstance(v, str) and TIER_NAME.fullmatch(v) is not None,
         "engine": lambda v: isinstance(v, dict) and set(v) <= {"kv_cache_dtype"},
         "stopped": lambda v: isinstance(v, bool),
+        "tier_saved": lambda v: isinstance(v, bool),
     }
     for name, check in checks.items():
         if name in record and not check(record[name]):
