@@ -1335,7 +1335,7 @@ def test_a_start_that_a_kill_cut_short_while_it_loaded_a_stream_into_a_new_file_
     assert len(file_sets()) == 1  # the load's, which the record does not name
     with Running(state, qa, options=disk) as server, server.client() as client:
         assert client.get(f"/v1/streams/{kept}").json()["frames"] == 2
-        assert "made by a load that a stop cut short" in caplog.text
+        assert "made by a load that did not finish" in caplog.text
     assert len(file_sets()) == 1 and f".creating-{kept}.json" not in os.listdir(tier)
     assert json.loads((state / "streams" / f"{kept}.json").read_text())["tier"] == file_sets()[0]
 

@@ -88,7 +88,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise AssertionError("the server did not start in time")
+        raise AssertionError(f"the server did not start in {START_SECONDS} s: {self.printed()[-2000:]}")
 
     def kill(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)

@@ -72,6 +72,11 @@ class CreationNotes:
         """At start: `finish_creations` of this server's notes."""
         finish_creations(offload_dir, self.state, self.record_of)
 
+    def settle(self, note: Path | None) -> None:
+        """After a load that failed: remove the file set it made, if any (`finish_creation` of its ``note``)."""
+        if note is not None:
+            finish_creation(note, self.state, self.record_of)
+
 
 def begin_creation(offload_dir: str | Path, stream_id: str, state: str, *, loading: bool = False) -> Path:
     """Note that stream ``stream_id`` of the server whose state is ``state`` is being made (``loading``: loaded from
@@ -104,27 +109,33 @@ def finish_creations(offload_dir: str | Path | None, state: str,
             if partial.is_file() and time.time() - partial.stat().st_mtime > STALE_PARTIAL_SECONDS:
                 partial.unlink()
     for note in sorted(folder.glob(f"{PREFIX}st_*.json")):
-        try:
-            noted = json.loads(note.read_text())
-        except (OSError, ValueError, RecursionError):
-            continue
-        if not isinstance(noted, dict) or noted.get("state") != state:
-            continue
-        stream_id, since = noted.get("id"), noted.get("at")
-        if not isinstance(stream_id, str) or not STREAM_ID.match(stream_id) or not isinstance(since, (int, float)):
-            continue
-        record = record_of(stream_id)
-        if record is not None and not noted.get("loading"):  # the creation was recorded (damaged or not)
-            end_creation(note)
-            continue
-        if isinstance(record, Exception):  # a load's record that cannot be read now: which file set it names is unknown
-            continue
-        named = "" if record is None else str(record.get("tier") or "")
-        why = ("made by a load that a stop cut short (its record names another)" if record is not None else
-               "whose creation a stop cut short (the stream was never made)")
-        if all([_remove_orphan(file_set, stream_id, why) for file_set in _file_sets_of(folder, stream_id, since)
-                if file_set.name != named]):
-            end_creation(note)
+        finish_creation(note, state, record_of)
+
+
+def finish_creation(note: Path, state: str, record_of: Callable[[str], dict[str, Any] | Exception | None]) -> None:
+    """`finish_creations` of one ``note`` (also right after a load that failed, whose file set, if it made one, no
+    record names)."""
+    try:
+        noted = json.loads(note.read_text())
+    except (OSError, ValueError, RecursionError):
+        return
+    if not isinstance(noted, dict) or noted.get("state") != state:
+        return
+    stream_id, since = noted.get("id"), noted.get("at")
+    if not isinstance(stream_id, str) or not STREAM_ID.match(stream_id) or not isinstance(since, (int, float)):
+        return
+    record = record_of(stream_id)
+    if record is not None and not noted.get("loading"):  # the creation was recorded (damaged or not)
+        end_creation(note)
+        return
+    if isinstance(record, Exception):  # a load's record that cannot be read now: which file set it names is unknown
+        return
+    named = "" if record is None else str(record.get("tier") or "")
+    why = ("made by a load that did not finish (its record names another)" if record is not None else
+           "whose creation a stop cut short (the stream was never made)")
+    if all([_remove_orphan(file_set, stream_id, why) for file_set in _file_sets_of(note.parent, stream_id, since)
+            if file_set.name != named]):
+        end_creation(note)
 
 
 def _file_sets_of(folder: Path, stream_id: str, since: float) -> list[Path]:

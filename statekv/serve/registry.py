@@ -500,9 +500,14 @@ class StreamRegistry:
         loads. A stream in a new disk-tier file set has its record written once its watches and page are back."""
         # a load from the save makes a new file set: a note until the record names it (a kill in between)
         note = None if healing else self.creations.begin_load(data["id"], self.settings.qa.engine)
-        entry = self.loader.load(data, healing=healing)
-        if self.loader.bring_back(entry, data, None if self.watch_listener is None else self.watch_listener(entry.id),
-                                  healing):
+        try:
+            entry = self.loader.load(data, healing=healing)
+            recorded = self.loader.bring_back(entry, data, None if self.watch_listener is None
+                                              else self.watch_listener(entry.id), healing)
+        except BaseException:  # not served: a file set the load made is no record's
+            self.creations.settle(note)
+            raise
+        if recorded:
             end_creation(note)  # else kept: the next start removes the file sets its record does not name
         self.damaged.pop(entry.id, None)
         return entry
