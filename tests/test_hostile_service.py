@@ -1859,3 +1859,49 @@ def test_a_simplestream_stream_goes_on_from_its_counts_after_a_restart(qa, tmp_p
     assert (described["frames"], described["seconds"]) == (10, 9.0)
     assert after["evaluations"] == before["evaluations"] + 2  # at frames 8 and 10
     assert made.json()["id"] != watch
+
+
+def test_an_answer_that_read_every_frame_of_a_long_stream_keeps_its_record_small(qa, tmp_path):
+    """Each answer's note in the record listed every frame it read: an answer reading the whole cache of a long
+    stream made the record grow with the stream's age (rewritten at every answer). The HTTP answer still lists
+    them, and a record an earlier version wrote, its notes listing the frames, still loads and reads them."""
+    from types import SimpleNamespace
+
+    from statekv.serve.page_parts import read_text
+    from statekv.serve.page_watches import TIMELINE_POINTS, timeline_rows
+
+    def push(start: int, stop: int) -> None:
+        for index in range(start, stop):
+            _push(client, stream_id, index, float(index)).raise_for_status()
+
+    def ask_all() -> dict:
+        asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2,
+                                                                  "retrieve": 100_000})
+        assert asked.status_code == 200, asked.text
+        return asked.json()
+
+    state = tmp_path / "state"
+    path = state / "streams"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(0, 10)
+        assert ask_all()["read_frames"] == list(range(10))
+        push(10, 120)
+        assert ask_all()["read_frames"] == list(range(120))
+        short, long = (json.dumps(note) for note in json.loads((path / f"{stream_id}.json").read_text())["answers"])
+        assert len(long) - len(short) < 40, (short, long)
+    record = json.loads((path / f"{stream_id}.json").read_text())  # as the previous version wrote it:
+    for note, read in zip(record["answers"], (10, 120)):  # the frames themselves, under read_frames
+        note.pop("read_ranges", None)
+        note["read_frames"] = list(range(read))
+    record["answers"].append({**record["answers"][-1], "read_frames": None})
+    (path / f"{stream_id}.json").write_text(json.dumps(record, indent=1))
+    with Running(state, qa) as server, server.client() as client:
+        ask_all()
+        notes = json.loads((path / f"{stream_id}.json").read_text())["answers"]
+        assert len(notes) == 4 and max(len(json.dumps(note)) for note in notes) < 400, notes
+        assert [read_text(note) for note in notes[:3]] == [
+            "read 10 frames: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9", "read 120 frames: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 …",
+            "read every frame held (120)"]
+        _, read, _ = timeline_rows(SimpleNamespace(answers=notes, stream=SimpleNamespace(watches=[])))
+        assert 120 < TIMELINE_POINTS and [point[0] for point in read] == [*range(10), *list(range(120)) * 3]
