@@ -30,10 +30,10 @@ demo: env
 	$(BIN)/statekv demo
 
 # Two workers (pytest-xdist) for the two cores the suite is sized for, a torch thread each; the tests that start
-# a Ray cluster share one worker, so no two clusters run at once.
+# a Ray cluster share one worker, so no two clusters run at once. The slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 test: env lmms
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # A fresh resolve of constraints.in (plus everything it brings) in a throw-away environment, installed exactly
 # as `make env lmms` installs, written to constraints.txt. Run it after changing a dependency or constraints.in.
