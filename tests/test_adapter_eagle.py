@@ -244,3 +244,30 @@ def test_chunk_boundaries_are_where_the_tokenizer_splits_anyway(adapters, frames
         if tail and head:
             starts = {start for _, (start, _) in pre_tokenizer.pre_tokenize_str(tail + head)}
             assert len(tail) in starts, (tail, head)
+
+
+@pytest.mark.parametrize("declared", [15, 17])
+def test_a_model_declaring_other_tokens_per_frame_than_its_tower_gives_is_refused(checkpoint, frames, declared):
+    """Before: with ``num_image_token`` below what ``extract_feature`` gives, each frame's features were cut to
+    the first ``num_image_token`` without a word (the model's own forward refuses such a prompt); above it, a
+    bare torch error ("Number of elements of source < number of ones in mask"). Now a one-line refusal."""
+    loaded = load_adapter(checkpoint, trust_remote_code=True, dtype=torch.float32)
+    model = loaded.model
+    model.num_image_token = declared  # remote code whose count disagrees with its own tower
+    try:
+        adapter = RemoteInternVLAdapter(model, loaded.tokenizer, image_size=112, image_mean=loaded.image_mean,
+                                        image_std=loaded.image_std)
+        assert adapter.tokens_per_image == declared
+        _check_refused(adapter, frames, declared)
+    finally:
+        model.num_image_token = 16
+
+
+def _check_refused(adapter, frames, declared):
+    state = adapter.start(len(frames), FPS)
+    state = state.after(adapter.prefix(state))
+    with pytest.raises(UnsupportedModelError) as error:
+        adapter.frames_chunk([frames[0]], state)
+    assert "16 visual tokens per frame" in str(error.value) and str(declared) in str(error.value)
+    assert "\n" not in str(error.value)
+

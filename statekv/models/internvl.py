@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from ..video import IMAGENET_MEAN, IMAGENET_STD, Frame, internvl_pixel_values
 from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
 from .checkpoint_files import normalisation, square_side
@@ -118,6 +118,10 @@ class InternVLAdapter(VideoAdapter):
         """Every step's frames in one batch ``[N, 3, S, S]``; each step gets its ``[tokens_per_image, D]``."""
         features = self.visual_features(torch.cat([step.pixel_values for step in steps]))
         features = features.reshape(len(steps), -1, features.shape[-1])
+        if features.shape[1] != self.tokens_per_image:  # each frame's block has tokens_per_image slots to fill
+            raise UnsupportedModelError(f"the vision tower gives {features.shape[1]} visual tokens per frame but the "
+                                        f"model declares {self.tokens_per_image} image tokens per frame; its "
+                                        "checkpoint is inconsistent and cannot be streamed")
         return [VisualFeatures(embeds=step_features) for step_features in features]
 
     @torch.no_grad()
