@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import statekv
 import statekv.models.remote_internvl  # noqa: F401  (registers the adapter)
@@ -372,3 +373,21 @@ def test_an_eagle_language_model_with_sliding_window_layers_is_refused_in_one_li
     with pytest.raises(UnsupportedModelError) as error:
         tiny_qa(load_adapter(path, trust_remote_code=True), "full").encode(random_frames(2))
     assert "sliding-window" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_watch_ends_its_answer_where_ask_does_when_the_model_configs_name_other_end_tokens(checkpoint):
+    """Eagle decodes with its language model, whose generation config (from the text config) may name other end
+    tokens than the whole model's ``generation_config.json``. Before: a watch stopped at the whole model's, so
+    under full attention its answer was cut short of `ask`'s (documented to be exactly `ask`'s)."""
+    adapter = load_adapter(checkpoint, trust_remote_code=True, dtype=torch.float32)
+    stream = tiny_qa(adapter, "full").stream(horizon_frames=4)
+    stream.push_many((image, float(t)) for t, image in enumerate(random_frames(4)))
+    asked = stream.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS)
+    im_end = adapter.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert adapter.model.language_model.generation_config.eos_token_id == im_end
+    # a generation_config.json naming one more end token, which only the whole model reads
+    adapter.model.generation_config = GenerationConfig(eos_token_id=[im_end, int(asked[0, 2])])
+    assert int(asked[0, 2]) not in asked[0, :2].tolist()
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS), asked)  # the one-shot generate's
+    watch = stream.watch(QUESTION, max_new_tokens=NEW_TOKENS)
+    assert watch.evaluate() == stream.ask(QUESTION, max_new_tokens=NEW_TOKENS)

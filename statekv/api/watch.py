@@ -316,12 +316,15 @@ def output_head(stream: Any, prompt: Any) -> torch.nn.Module:
     return head
 
 
-def end_tokens(stream: Any) -> tuple[int, ...]:
-    """The token ids that end an answer of ``stream``'s model (its generation config's)."""
-    config = getattr(stream.adapter.model, "generation_config", None)
+def end_tokens(stream: Any, prompt: Any = None) -> tuple[int, ...]:
+    """The token ids that end an answer of ``stream``'s model: the generation config's of the module that decodes
+    ``prompt`` (its ``model``; Eagle's language model, whose config may name other end tokens than the whole
+    model's), as `ask` decodes, else of the adapter's model."""
+    model = prompt.model if prompt is not None and prompt.model is not None else stream.adapter.model
+    config = getattr(model, "generation_config", None)
     ends = getattr(config, "eos_token_id", None)
     if ends is None:
-        ends = stream.adapter.model.config.get_text_config().eos_token_id
+        ends = model.config.get_text_config().eos_token_id
     return tuple(ends if isinstance(ends, (list, tuple)) else [] if ends is None else [ends])
 
 
@@ -431,8 +434,8 @@ def _evaluation(watch: Watch) -> Evaluation:
     stream = watch.stream
     retrieval = None if watch.retrieve is None else stream.retrieval(watch.retrieve, watch.retrieval)
     prompt = stream.adapter.prompt(watch.standing.ids, stream.state)  # laid out after the stream as it is now
-    return Evaluation(stream.prefill, watch.standing, prompt, watch.since, watch.max_new_tokens, end_tokens(stream),
-                      retrieval)
+    return Evaluation(stream.prefill, watch.standing, prompt, watch.since, watch.max_new_tokens,
+                      end_tokens(stream, prompt), retrieval)
 
 
 @functools.lru_cache(maxsize=4096)
