@@ -1241,6 +1241,22 @@ def test_a_disk_tier_streams_saves_write_no_copy_of_its_cache_and_a_restart_resu
     assert answer.json()["answer"] == alone.ask(QUESTION, max_new_tokens=6)
 
 
+def test_a_disk_tier_stream_kept_in_its_file_set_alone_is_deleted_only_where_its_file_set_is_reached(qa, tmp_path,
+                                                                                                        options):
+    """Before: a server started without --offload disk listed such a stream as damaged and deleted it (200) by its
+    record alone, leaving its file set, every frame of it, in --offload-dir for good: no start removed it."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    with Running(state, qa, options=options) as server, server.client() as client:
+        assert "--offload disk" in _error(client.delete(f"/v1/streams/{stream_id}"), 409)
+        assert client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+    assert not [path for path in tier.iterdir() if path.is_dir()]
+
+
 def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(qa, tmp_path, options, caplog,
                                                                                 monkeypatch):
     """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file

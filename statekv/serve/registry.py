@@ -101,6 +101,12 @@ class StreamRegistry:
             files = ", ".join(self.files.files_of(stream_id))
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
                                f"remove its files from {self.files.where} by hand: {files}")
+        record = await asyncio.to_thread(self.record_of, stream_id)
+        if isinstance(record, dict) and record.get("tier_saved") is True and record.get("tier") and (
+                self.settings.qa.engine.offload != "disk" or not self.placement.resume_tiers):
+            raise ServiceError(409, f"stream {stream_id}'s frames are kept in its disk-tier file set {record['tier']}"
+                               ", which this server does not reach; nothing was deleted: delete it from one server "
+                               "started alone with --offload disk and the --offload-dir it was served with")
         await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
         return True
