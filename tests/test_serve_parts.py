@@ -432,6 +432,19 @@ def test_the_command_line_says_whether_quiet_moments_replay_backlogs(tmp_path, f
     assert config.quiet_catch_up is quiet
 
 
+def test_a_state_dir_given_as_a_url_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Before: `--state-dir s3://bucket/x` served from a local folder `s3:/bucket/x`: another node found none of its
+    streams, without a word."""
+    from statekv.cli import build_parser
+    from statekv.commands.serve import serve_config
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["serve", "--state-dir", "s3://bucket/x", "--api-key", "k"])
+    with pytest.raises(ConfigurationError, match="^--state-dir s3://bucket/x: a URL.*--ray with --store"):
+        serve_config(args)
+    assert not list(tmp_path.iterdir())
+
+
 def test_quiet_moments_take_each_model_in_turn_and_let_go_of_streams_no_longer_due():
     """Streams of two models take turns, a step each; a stream closed after its push is never replayed."""
     log: list[str] = []

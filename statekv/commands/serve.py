@@ -198,6 +198,9 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
 
     options = ModelOptions.from_args(args)
     alone_in_store = getattr(args, "store", None) is not None and args.state_dir is None
+    if args.state_dir is not None and "://" in args.state_dir:  # a path would make a local folder named "s3:"
+        raise ConfigurationError(f"--state-dir {args.state_dir}: a URL, and --state-dir is a folder (local or "
+                                 "mounted); to keep streams in object storage: --ray with --store URL")
     state_dir = None if alone_in_store else Path(args.state_dir or "statekv-state")
     media_root = None
     if args.media_root is not None:
