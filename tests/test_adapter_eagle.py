@@ -391,3 +391,30 @@ def test_a_watch_ends_its_answer_where_ask_does_when_the_model_configs_name_othe
     assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=NEW_TOKENS), asked)  # the one-shot generate's
     watch = stream.watch(QUESTION, max_new_tokens=NEW_TOKENS)
     assert watch.evaluate() == stream.ask(QUESTION, max_new_tokens=NEW_TOKENS)
+
+
+def test_the_service_labels_an_eagle_answer_by_its_language_models_end_tokens(checkpoint, tmp_path):
+    """Over HTTP, an answer is called ended (finish_reason ``stop``) by the end tokens of the module that decoded it.
+    Before: the service read the whole model's ``generation_config.json``, so an Eagle answer cut at its length
+    whose last token only that file names an end token was labelled ``stop``."""
+    from test_hostile_service import KEY, Running, _stream
+
+    from statekv.settings import ModelOptions
+
+    options = ModelOptions(model=str(checkpoint), method="full", trust_remote_code=True, attention="eager")
+    qa = statekv.VideoQA.from_options(options)
+    adapter = qa.adapter
+    with Running(tmp_path / "state", qa, options=options) as server, server.client(KEY) as client:
+        stream_id = _stream(client, frames=3)
+        asked = {"model": str(checkpoint), "statekv": {"stream_id": stream_id},
+                 "messages": [{"role": "user", "content": QUESTION}]}
+        before = client.post("/v1/chat/completions", json={**asked, "max_tokens": NEW_TOKENS}).json()
+        tokens = adapter.tokenizer(before["choices"][0]["message"]["content"], add_special_tokens=False).input_ids
+        assert before["usage"]["completion_tokens"] == NEW_TOKENS and before["choices"][0]["finish_reason"] == "length"
+        im_end = adapter.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        last = int(tokens[-1])
+        assert last != im_end and adapter.model.language_model.generation_config.eos_token_id == im_end
+        adapter.model.generation_config = GenerationConfig(eos_token_id=[im_end, last])  # read by nothing that decodes
+        after = client.post("/v1/chat/completions", json={**asked, "max_tokens": NEW_TOKENS}).json()
+        assert after["choices"][0]["message"] == before["choices"][0]["message"]
+        assert after["choices"][0]["finish_reason"] == "length"

@@ -316,11 +316,10 @@ def output_head(stream: Any, prompt: Any) -> torch.nn.Module:
     return head
 
 
-def end_tokens(stream: Any, prompt: Any = None) -> tuple[int, ...]:
-    """The token ids that end an answer of ``stream``'s model: the generation config's of the module that decodes
-    ``prompt`` (its ``model``; Eagle's language model, whose config may name other end tokens than the whole
-    model's), as `ask` decodes, else of the adapter's model."""
-    model = prompt.model if prompt is not None and prompt.model is not None else stream.adapter.model
+def end_tokens(stream: Any) -> tuple[int, ...]:
+    """The token ids that end an answer of ``stream``'s model: those of the module that decodes it, as `ask` decodes
+    (Eagle's language model, whose generation config may name other end tokens than the whole model's)."""
+    model = stream.adapter.decoder
     config = getattr(model, "generation_config", None)
     ends = getattr(config, "eos_token_id", None)
     if ends is None:
@@ -435,7 +434,7 @@ def _evaluation(watch: Watch) -> Evaluation:
     retrieval = None if watch.retrieve is None else stream.retrieval(watch.retrieve, watch.retrieval)
     prompt = stream.adapter.prompt(watch.standing.ids, stream.state)  # laid out after the stream as it is now
     return Evaluation(stream.prefill, watch.standing, prompt, watch.since, watch.max_new_tokens,
-                      end_tokens(stream, prompt), retrieval)
+                      end_tokens(stream), retrieval)
 
 
 @functools.lru_cache(maxsize=4096)

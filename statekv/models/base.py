@@ -246,6 +246,11 @@ class VideoAdapter(ABC):
     def language_embeddings(self) -> torch.nn.Embedding:
         return self.model.get_input_embeddings()
 
+    @property
+    def decoder(self) -> torch.nn.Module:
+        """The module that decodes an answer (`prompt`'s ``model``): its generation config names the end tokens."""
+        return self.model
+
     def tokenize(self, text: str) -> torch.Tensor:
         """Text -> LongTensor ``[1, T]`` on the model's device (no BOS or other added tokens)."""
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids

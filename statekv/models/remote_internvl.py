@@ -116,6 +116,10 @@ class RemoteInternVLAdapter(InternVLAdapter):
     def language_embeddings(self) -> torch.nn.Embedding:
         return self.model.language_model.get_input_embeddings()
 
+    @property
+    def decoder(self) -> torch.nn.Module:
+        return self.model.language_model
+
     def _image_token_id(self) -> int:
         """The tokenizer's ``<IMG_CONTEXT>`` id, checked against the model's; set on the model when it has none
         yet, as the remote ``chat()`` does before it calls ``generate()``."""
@@ -175,7 +179,7 @@ class RemoteInternVLAdapter(InternVLAdapter):
 
     def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
         """Decoded by the language model itself: the remote ``generate`` embeds its own prompt and takes no cache."""
-        return Prompt(prompt_ids, follows=state.tokens, model=self.model.language_model)
+        return Prompt(prompt_ids, follows=state.tokens, model=self.decoder)
 
     # -- internals --------------------------------------------------------------------------------------
     def _prefix_text(self, fps: float | None = None) -> str | None:

@@ -268,7 +268,7 @@ async def chat(request: Request, service: Served):
         work = lambda streamer: service.worker.run(_answer_file, service, path, question, max_new, streamer)  # noqa: E731
     completion = f"chatcmpl-{secrets.token_hex(12)}"
     stops = StopTexts(stop_sequences(body))
-    ends = end_tokens(getattr(service.qa.adapter.model, "generation_config", None))
+    ends = end_tokens(getattr(service.qa.adapter.decoder, "generation_config", None))
     if streamed:
         options = body.get("stream_options") or {}
         include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
@@ -315,7 +315,7 @@ def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[s
             prompt = prompt_tokens(video, question, max_new)
             check_answer(kwargs)
             tokens = video.ask_tokens(question, **kwargs)
-            check_answer(kwargs, tokens, video.prefill.model)
+            check_answer(kwargs, tokens, video.adapter.decoder)
             context, completion = video.tokens + prompt, int(tokens.shape[1])
             return {"answer": video.adapter.decode(tokens), "frames": video.frames, "seconds": None, "id": None,
                     "usage": {"prompt_tokens": context, "completion_tokens": completion,

@@ -387,7 +387,7 @@ class StreamRegistry:
         right after it, before any later push)."""
         stream = entry.stream
         prefill = getattr(stream, "prefill", None)  # none for a simplestream stream (its question reads a clip)
-        check_answer(kwargs, tokens, stream.adapter.model if prefill is None else prefill.model)
+        check_answer(kwargs, tokens, stream.adapter.decoder)
         completion = int(tokens.shape[1])
         context = stream.read_tokens if prefill is None else stream.tokens + prompt
         read = stream.answer_info.read_frames if stream.answer_info is not None else None
