@@ -1257,28 +1257,6 @@ def test_a_disk_tier_stream_kept_in_its_file_set_alone_is_deleted_only_where_its
     assert not [path for path in tier.iterdir() if path.is_dir()]
 
 
-def test_a_whole_save_from_before_a_disk_tier_streams_saves_went_to_its_file_set_is_removed(qa, tmp_path, options):
-    """Before: a stream saved whole (before its saves made its file set durable) kept that save, a whole copy of its
-    detailed cache, in the state folder for good once its record said tier_saved, though no start reads it again."""
-    tier, state = tmp_path / "tier", tmp_path / "state"
-    disk = options.with_changes(offload="disk", offload_dir=str(tier))
-    with Running(state, qa, options=disk) as server, server.client() as client:
-        stream_id = _stream(client, frames=3)
-    record = state / "streams" / f"{stream_id}.json"
-    data = json.loads(record.read_text())
-    whole = statekv.Stream.load(tier / data["tier"], qa.with_options(offload="disk", offload_dir=str(tier)),
-                                stream_id=stream_id, owner=data["owner"])
-    whole.save(state / "streams" / f"{stream_id}.safetensors")  # as saved before
-    whole.close()
-    record.write_text(json.dumps({**data, "tier_saved": False, "stopped": True}))
-    with Running(state, qa, options=disk) as server, server.client() as client:
-        _push(client, stream_id, 3, 3.0).raise_for_status()
-    assert json.loads(record.read_text())["tier_saved"] is True
-    assert not list((state / "streams").glob("*.safetensors"))
-    with Running(state, qa, options=disk) as server, server.client() as client:
-        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
-
-
 def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(qa, tmp_path, options, caplog,
                                                                                 monkeypatch):
     """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file

@@ -40,7 +40,7 @@ from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
-from .tier_saves import drop_whole_save, save_stream, saved_in_tier
+from .tier_saves import save_stream, saved_in_tier
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -412,8 +412,6 @@ class StreamRegistry:
             log.warning("stream %s is saved again (its saves had failed: %s)", entry.id, entry.save_error)
             entry.save_error = None
         entry.write_record(self.files)
-        if in_tier:  # a whole save from before its file set became its save: never read again (the record says so)
-            drop_whole_save(entry.id, self.files)
 
     async def save_due(self) -> None:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``. A save that fails is tried

@@ -8,10 +8,7 @@ the file set already journals every push, so a save costs what the frames since 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger("statekv.serve")
 
 
 def saved_in_tier(entry: Any, resume_tiers: bool) -> bool:
@@ -32,15 +29,3 @@ def save_stream(entry: Any, files: Any, in_tier: bool) -> frozenset[str]:
     watches = frozenset(watch.id for watch in entry.stream.watches)
     files.save_state(entry.id, entry.stream.save)
     return watches
-
-
-def drop_whole_save(stream_id: str, files: Any) -> None:
-    """Remove the whole save a stream's record no longer names (its record, written before, says ``tier_saved``:
-    a start serves it from its file set or not at all), so it holds no stale copy of its detailed cache; one that
-    cannot be removed now is tried again at the next save."""
-    path = files.state_path(stream_id)
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as error:
-        log.warning("stream %s: its whole save from before its file set became its save cannot be removed (%s)",
-                    stream_id, error.strerror or error)
