@@ -43,6 +43,21 @@ def test_a_key_is_made_once_per_folder_and_only_its_digest_is_kept(tmp_path):
     assert ring.owner("another") is None and ring.owner("") is None
 
 
+def test_a_made_key_file_is_flushed_to_the_disk_with_its_folder_before_the_key_is_shown(tmp_path, monkeypatch):
+    flushed: list[tuple[int, bool]] = []
+    real_fsync = os.fsync
+
+    def noting_fsync(handle):
+        status = os.fstat(handle)
+        flushed.append((status.st_ino, os.path.isdir(f"/proc/self/fd/{handle}")))
+        return real_fsync(handle)
+
+    monkeypatch.setattr(os, "fsync", noting_fsync)
+    assert KeyFile(tmp_path).make() is not None
+    assert ((tmp_path / "keys.json").stat().st_ino, False) in flushed  # its content, before its name
+    assert (tmp_path.stat().st_ino, True) in flushed  # its name in the folder
+
+
 def test_a_made_key_never_starts_with_a_dash_so_a_command_line_can_pass_it(tmp_path, monkeypatch):
     from statekv.cli import build_parser
     from statekv.serve import auth

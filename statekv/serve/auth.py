@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import Request
 
 from ..errors import ConfigurationError
+from ..flushing import flush_folder, write_flushed
 from .errors import ServiceError
 
 log = logging.getLogger("statekv.serve")
@@ -77,9 +78,10 @@ class KeyFile:
         document = {"keys": [{"owner": owner_of(key), "made": int(time.time())}]}
         partial = self.path.with_name(f"{KEYS_FILE}.{secrets.token_hex(4)}.partial")
         try:
-            partial.write_text(json.dumps(document, indent=1) + "\n")
+            write_flushed(partial, (json.dumps(document, indent=1) + "\n").encode())  # on the disk before its name
             os.chmod(partial, 0o600)
             os.link(partial, self.path)  # fails when the file exists: one key per folder, whoever is first
+            flush_folder(self.path.parent)  # the name too: a power loss cannot take back a key already shown
         except FileExistsError:
             return False
         except OSError as error:
