@@ -513,6 +513,36 @@ def test_a_push_whose_save_fails_is_refused_unstreamed_and_a_retry_streams_it_on
     assert answer.json()["answer"] == alone.ask(QUESTION, max_new_tokens=6)  # each frame streamed once
 
 
+def test_answers_on_a_full_state_folder_log_its_record_failure_once_and_its_recovery(qa, tmp_path, monkeypatch,
+                                                                                     caplog):
+    """Before: each answer whose note could not be recorded (a full disk) logged the failure again, one line per
+    answer; the same full disk read as a new reason each time (each write's partial file has a name of its own)."""
+    import statekv.flushing as flushing
+
+    real = flushing.write_flushed
+
+    def full(path, data):
+        if str(path).endswith(".partial") and "streams" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, data)
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+        caplog.clear()
+        monkeypatch.setattr(flushing, "write_flushed", full)
+        with caplog.at_level(logging.WARNING, logger="statekv.serve"):
+            for _ in range(4):
+                asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})
+                assert asked.status_code == 200, asked.text
+            failures = [r.getMessage() for r in caplog.records if "cannot record" in r.getMessage()]
+            assert len(failures) == 1, failures  # the first failure alone, saying what was not recorded
+            assert "an answer" in failures[0] and stream_id in failures[0] and "No space left" in failures[0]
+            monkeypatch.setattr(flushing, "write_flushed", real)
+            client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})
+            again = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
+            assert len(again) == 1 and "4 writes had failed" in again[0], again
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # No leftovers
 # ---------------------------------------------------------------------------------------------------------------

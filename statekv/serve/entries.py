@@ -22,6 +22,7 @@ from .watches import watch_order
 
 log = logging.getLogger("statekv.serve")
 ANSWERS = 50  # a stream's last answers, kept in its record
+RECORD_FAILURE_LOG_SECONDS = 60.0  # a record write failing again and again (a full disk) is logged this often at most
 
 
 @dataclass
@@ -40,7 +41,10 @@ class StreamEntry:
     saved: dict[str, Any] = field(default_factory=lambda: {"pushed": 0, "frames": 0, "seconds": None})
     saved_at: float = field(default_factory=time.monotonic)
     save_error: str | None = None  # why its last save failed, as a client may see it (None once it saves again)
+    save_failure: str | None = None  # that failure's reason without the file it names (`failure_reason`)
     save_tried_at: float = 0.0  # when that save was tried (monotonic): the next is tried a save period later
+    record_failure: dict[str, Any] | None = None  # record writes failing (`keep_record`): the reason, what was not
+    # recorded, how many failed and when it was last logged (None once a record is written again)
     saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
     from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set
     history: list[dict[str, float]] = field(default_factory=list)
@@ -129,11 +133,34 @@ class StreamEntry:
         log): a failure is logged, the change stands."""
         try:
             await asyncio.to_thread(self.write_record, files)
-        except (OSError, StateKVError) as error:  # a full or read-only state folder: one line
-            log.error("cannot record %s of stream %s: %s; it stands, and the stream's next change writes its record "
-                      "again", what, self.id, error)
+        except (OSError, StateKVError) as error:  # a full or read-only state folder: one line, not one per change
+            self.note_record_failure(what, error)
         except Exception:  # noqa: BLE001 -- answered already: a failure to note it must not fail the request
             log.exception("cannot record %s of stream %s", what, self.id)
+        else:
+            failure, self.record_failure = self.record_failure, None
+            if failure is not None:
+                log.warning("stream %s's record is written again (%d writes had failed since %s could not be "
+                            "recorded: %s)", self.id, failure["failed"], failure["first"], failure["reason"])
+
+    def note_record_failure(self, what: str, error: BaseException) -> None:
+        """A write of its record failed: logged the first time, then when the reason changes, else at most once
+        every `RECORD_FAILURE_LOG_SECONDS` (with how many failed meanwhile); `keep_record` says when it recovers."""
+        now, reason = time.monotonic(), failure_reason(error)
+        failure = self.record_failure
+        if failure is None or failure["reason"] != reason:
+            failure = self.record_failure = {"reason": reason, "first": what, "failed": 0, "logged": None,
+                                             "unlogged": 0}
+        failure["failed"] += 1
+        if failure["logged"] is not None and now - failure["logged"] < RECORD_FAILURE_LOG_SECONDS:
+            failure["unlogged"] += 1
+            return
+        again = (f" ({failure['unlogged']} more failed the same way since it was last logged)"
+                 if failure["unlogged"] else "")
+        log.error("cannot record %s of stream %s: %s%s; it stands, and the stream's next change writes its record "
+                  "again (logged again at most every %g s until it is written)", what, self.id, error, again,
+                  RECORD_FAILURE_LOG_SECONDS)
+        failure["logged"], failure["unlogged"] = now, 0
 
     def retire(self, **state: Any) -> None:
         """Set ``deleted``, ``moved`` or ``closed`` (as keywords): its record is not written again, and a write
@@ -206,3 +233,12 @@ def remove_tier(entry: StreamEntry) -> None:
     folder = entry.tier
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def failure_reason(error: BaseException) -> str:
+    """What failed, to tell one failure from another: an `OSError`'s reason without the file it names (each write
+    has a partial file of its own name, so the same full disk would otherwise read as a new reason each time)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -30,7 +30,7 @@ from .answer_notes import answer_note
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
 from .creations import CreationNotes, end_creation
-from .entries import ANSWERS, DamagedStream, StreamEntry, remove_tier
+from .entries import ANSWERS, DamagedStream, StreamEntry, failure_reason, remove_tier
 from .errors import ServiceError, reason_of
 from .feeding import FileFeeds
 from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
@@ -433,10 +433,11 @@ class StreamRegistry:
         if self.metrics is not None:
             self.metrics.save_failures.inc()
         reason = self.config.public(reason_of(error))
-        if reason != entry.save_error:
+        kind = failure_reason(error)  # the same full disk, whichever partial file it refused
+        if entry.save_error is None or kind != entry.save_failure:
             log.error("cannot save stream %s: %s; tried again every %g s and at each push that needs it, logged "
                       "again once it saves or fails otherwise", entry.id, error, self.config.save_every_seconds)
-        entry.save_error = reason
+        entry.save_error, entry.save_failure = reason, kind
 
     def save_all(self) -> None:
         """Save every stream with unsaved frames (at shutdown, from outside the event loop); one a stopped handover
