@@ -219,6 +219,42 @@ def test_evict_oldest_answers_from_the_frames_it_kept(adapter, offload, tmp_path
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=None), kept)
 
 
+@pytest.mark.parametrize("offload", [True, "disk"])
+def test_a_stream_resumed_at_its_cap_says_so_once_and_does_not_warn_again_as_if_new(adapter, offload, tmp_path,
+                                                                                    caplog):
+    """Before: a stream loaded (or resumed from its disk tier) after its cache reached its cap warned at its next
+    eviction that the cap was reached, "from now on", as if for the first time: once more per restart."""
+    lengths, per_token, per_step = _steps(adapter, 7)
+    cap = (lengths[0] + max(lengths[1:]) * 3) * per_token + 4 * per_step
+    disk = {"offload_dir": tmp_path / "tier"} if offload == "disk" else {}
+    if disk:
+        probe = tiny_qa(adapter, "recency", offload="disk", offload_dir=tmp_path / "probe").stream(horizon_frames=7)
+        for frame in random_frames(7):
+            probe.push(frame)
+        cap += probe.prefill.stats.journal_bytes
+    settings = dict(offload=offload, max_cache_bytes=cap, cache_limit="evict-oldest", **disk)
+    frames = random_frames(10)
+    with caplog.at_level(logging.INFO, logger="statekv"):
+        capped = tiny_qa(adapter, "recency", **settings).stream(horizon_frames=12)
+        for frame in frames[:7]:
+            capped.push(frame)
+        assert capped.stats.evicted_frames > 0
+        if disk:
+            capped.close()
+            resumed = Stream.load(capped.prefill.disk.folder, tiny_qa(adapter, "recency", **settings))
+        else:
+            resumed = Stream.load(capped.save(tmp_path / "s.safetensors"), tiny_qa(adapter, "recency", **settings))
+        before = resumed.stats.evicted_frames
+        for frame in frames[7:]:
+            resumed.push(frame)
+        assert resumed.stats.evicted_frames > before  # it went on evicting
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "max_cache_bytes" in
+              r.getMessage()]
+    assert len(warned) == 1, warned  # when the cap was first reached, not again after the load
+    resumed_notes = [r.getMessage() for r in caplog.records if "resumed at its detailed cache's cap" in r.getMessage()]
+    assert len(resumed_notes) == 1 and "evicting the oldest frames goes on" in resumed_notes[0], resumed_notes
+
+
 def test_evict_least_attended_gives_up_the_frames_the_stream_attended_least(adapter, tmp_path):
     lengths, per_token, _ = _steps(adapter, 4)
     stream = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, max_cache_bytes=sum(lengths) * per_token,

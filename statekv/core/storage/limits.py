@@ -185,6 +185,12 @@ class CacheKeeper:
         the rest of what it evicted is given back again (a load wrote it in whole)."""
         cache = self.cache
         self.evicted_tokens = cache.evicted_tokens()
+        if self.evicted_tokens and not self.announced:  # the cap was reached before it was saved: said once, here,
+            self.announced = True  # not again as if it were new at its next eviction
+            rule = "oldest" if self.limit.when_full == "evict-oldest" else "least attended"
+            log.info("%s: resumed at its detailed cache's cap max_cache_bytes=%s (%d steps evicted before); evicting "
+                     "the %s frames goes on", self.name, format_bytes(self.limit.max_bytes),
+                     len(cache.evicted_steps), rule)
         self._starts, self._held, self._registered = StepValues([0]), {}, 0
         starts = self._step_starts()
         evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
