@@ -567,6 +567,49 @@ def test_disk_tier_folders_are_reused_across_restarts_and_deleted_with_their_str
         assert len(list(tier.iterdir())) == 1 and not list((state / "streams").glob(f"{ids[0]}*"))
 
 
+def test_a_whole_save_left_from_before_is_removed_once_the_disk_tier_saves_the_stream_even_across_a_kill(
+        qa, tmp_path, options, monkeypatch):
+    """Before: a stream saved whole (by a server without --offload disk) kept that save in the state folder after
+    its disk-tier file set took over its saves (its record ``tier_saved``), never read, until it was deleted."""
+    from statekv.serve.store import StreamFiles
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    whole = state / "streams" / f"{stream_id}.safetensors"
+    assert whole.exists()
+    real = StreamFiles.remove_state
+    monkeypatch.setattr(StreamFiles, "remove_state", lambda self, stream_id: False)  # a kill right after the record
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 2
+        _push(client, stream_id, 7, 5.0).raise_for_status()
+    record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
+    assert record["tier_saved"] is True and whole.exists()  # its record first: the kill left both
+    monkeypatch.setattr(StreamFiles, "remove_state", real)
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3  # from its file set
+        assert not whole.exists()  # removed at the start that found it
+        _push(client, stream_id, 8, 6.0).raise_for_status()
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 4
+    assert not list((state / "streams").glob(f"{stream_id}.safetensors*"))
+
+
+def test_a_stream_saved_whole_then_in_its_disk_tier_keeps_no_whole_save(qa, tmp_path, options):
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    assert (state / "streams" / f"{stream_id}.safetensors").exists()
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        _push(client, stream_id, 7, 5.0).raise_for_status()
+    assert json.loads((state / "streams" / f"{stream_id}.json").read_text())["tier_saved"] is True
+    assert not (state / "streams" / f"{stream_id}.safetensors").exists()  # removed after its first save in the tier
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
+
+
 def test_a_deletion_note_not_of_this_server_removes_nothing_at_the_next_start(qa, tmp_path, options, caplog):
     """Before: a start finishing deletions cut short removed whatever folder a note in streams/ named, and took a
     note's name as a pattern: a note named ``st_*.deleting`` removed every stream's record and save."""

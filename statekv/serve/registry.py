@@ -412,6 +412,20 @@ class StreamRegistry:
             log.warning("stream %s is saved again (its saves had failed: %s)", entry.id, entry.save_error)
             entry.save_error = None
         entry.write_record(self.files)
+        if in_tier:  # only now that its record says its file set holds it all: a whole save left is never read
+            self.drop_whole_save(entry)
+
+    def drop_whole_save(self, entry: StreamEntry) -> None:
+        """Remove the whole save a stream saved in its disk-tier file set (its record ``tier_saved``, written) may
+        still have in the state folder (saved whole before: an older server, or a run with another placement); a
+        kill before the removal leaves it to the next start (`restore_one`). A failure is logged, the save kept."""
+        try:
+            if self.files.remove_state(entry.id):
+                log.info("stream %s: its whole save in %s is removed (its disk-tier file set holds every frame it "
+                         "took; its record says so)", entry.id, self.files.where)
+        except OSError as error:
+            log.warning("stream %s: cannot remove its older whole save from %s (%s); it is never read, and removed "
+                        "at its next save or start", entry.id, self.files.where, error.strerror or error)
 
     async def save_due(self) -> None:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``. A save that fails is tried
@@ -516,6 +530,8 @@ class StreamRegistry:
             raise
         if recorded:
             end_creation(note)  # else kept: the next start removes the file sets its record does not name
+        if entry.tier_saved:  # a kill between its record saying so and the removal of its whole save
+            self.drop_whole_save(entry)
         self.damaged.pop(entry.id, None)
         return entry
 

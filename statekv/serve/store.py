@@ -215,6 +215,20 @@ class StreamFiles:
     def has_state(self, stream_id: str) -> bool:
         return self.state_path(stream_id).exists()
 
+    def remove_state(self, stream_id: str) -> bool:
+        """Remove the stream's whole save, once its record says its disk-tier file set holds every frame it took
+        (``tier_saved``: the save is never read again), the removal flushed to the disk; whether there was one.
+        An `OSError` when it cannot be removed (it stays, unread, until the stream's next save or start)."""
+        path = self.state_path(stream_id)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            return False
+        flush_folder(self.folder)
+        return True
+
     @contextlib.contextmanager
     def local_state(self, stream_id: str) -> Iterator[Path | None]:
         """The saved state as a local file to load (None when the stream was never saved)."""
