@@ -610,6 +610,33 @@ def test_a_stream_saved_whole_then_in_its_disk_tier_keeps_no_whole_save(qa, tmp_
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
 
 
+def test_a_start_after_a_kill_says_what_each_stream_lost_in_its_log_and_its_info(qa, tmp_path, caplog):
+    """Before: a server killed after frames were pushed and answered over, but before they were saved, came back
+    without them and said nothing: neither its log nor the stream's info told the client to push them again."""
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        kept = _stream(client, frames=2)
+        lost = _stream(client, frames=0, seed=20)
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{kept}").json()["lost"] is None  # stopped cleanly: saved at shutdown
+        for index in range(3):
+            _push(client, lost, 20 + index, float(index)).raise_for_status()
+        asked = client.post(f"/v1/streams/{lost}/ask", json={"question": QUESTION, "max_new_tokens": 2})
+        assert asked.status_code == 200 and asked.json()["frames"] == 3
+        record, deadline = tmp_path / "state" / "streams" / f"{lost}.json", time.monotonic() + 30
+        while not json.loads(record.read_text())["answers"]:  # its note is recorded after the answer is given
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        shutil.copytree(tmp_path / "state", tmp_path / "killed")  # killed here: its 3 frames were never saved
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="statekv.serve"):
+        with Running(tmp_path / "killed", qa) as server, server.client() as client:
+            info = client.get(f"/v1/streams/{lost}").json()
+            assert info["frames"] == 0 and info["lost"] == {"pushed": 3, "frames": 3, "answers": 1}, info
+            assert client.get(f"/v1/streams/{kept}").json()["lost"] is None
+    said = [r.getMessage() for r in caplog.records if "came back without" in r.getMessage()]
+    assert len(said) == 1 and lost in said[0] and "3 frames pushed" in said[0] and "1 answers" in said[0], said
+
+
 def test_a_deletion_note_not_of_this_server_removes_nothing_at_the_next_start(qa, tmp_path, options, caplog):
     """Before: a start finishing deletions cut short removed whatever folder a note in streams/ named, and took a
     note's name as a pattern: a note named ``st_*.deleting`` removed every stream's record and save."""

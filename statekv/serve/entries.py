@@ -47,6 +47,7 @@ class StreamEntry:
     # recorded, how many failed and when it was last logged (None once a record is written again)
     saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
     from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set
+    lost: dict[str, int] | None = None  # what its record had seen that the start brought it back without (`lost_at_start`)
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -103,7 +104,7 @@ class StreamEntry:
                 "handover": getattr(stream, "handover", None),  # its successor engine (statekv.api.handover)
                 "cache_bytes": stats.cache_bytes, "encode_seconds": stats.seconds, "feeding": self.feeding,
                 "feed": None if self.feed is None else self.feed.describe(), "saved": dict(self.saved),
-                "save_error": self.save_error,
+                "save_error": self.save_error, "lost": None if self.lost is None else dict(self.lost),
                 "resume_from": stream.pushed, "resume_after_seconds": self.last_seconds,
                 **({"replica": self.replica} if self.replica else {})}
 
@@ -183,6 +184,7 @@ class StreamEntry:
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
                 "engine": made_with(self.stream), "stopped": self.stopped, "tier_saved": self.tier_saved,
+                "seen": {"pushed": self.stream.pushed, "frames": self.stream.frames},  # as the record is written
                 "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
                 "saved_watches": sorted(self.saved_watches),
                 "watch_order": watch_order(self.stream), **page_fields(self)}
@@ -242,3 +244,19 @@ def failure_reason(error: BaseException) -> str:
         return error.strerror
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def lost_at_start(record: dict[str, Any], stream: Any) -> dict[str, int] | None:
+    """What a stream brought back from its ``record`` lacks of what that record had seen (None: nothing known
+    lost): ``pushed`` and ``frames`` taken before the server stopped (a kill: the record, written at each answer,
+    watch change and save, notes the stream's counts then; an older record, the frames its answers were given
+    over) that its save or file set does not hold, and ``answers``, how many of its kept answers were given over
+    frames it no longer holds. A lower bound: pushes after the record's last write leave no trace."""
+    seen = record.get("seen") if isinstance(record.get("seen"), dict) else {}
+    answered = [note["frames"] for note in record.get("answers") or []
+                if isinstance(note, dict) and type(note.get("frames")) is int]
+    frames = max([count for count in (seen.get("frames"), *answered) if type(count) is int], default=0)
+    pushed = seen.get("pushed") if type(seen.get("pushed")) is int else 0
+    lost = {"pushed": max(0, pushed - stream.pushed), "frames": max(0, frames - stream.frames),
+            "answers": sum(1 for count in answered if count > stream.frames)}
+    return lost if any(lost.values()) else None

@@ -15,7 +15,7 @@ from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..errors import InputError, OutputError, StateKVError
 from .answer_notes import recalled
-from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry
+from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_start
 from .errors import public_message, reason_of
 from .page_record import recall_page
 from .stream_settings import StreamSettings
@@ -51,11 +51,13 @@ class StreamLoader:
         stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         saved_watches = frozenset()  # those of a file set: the next save holds them
         from_save, tier_saved = False, stream is not None and data.get("tier_saved") is True
+        source = "its disk-tier file set" if stream is not None else "nothing (it was never saved)"
         if stream is None:
             with self.files.local_state(data["id"]) as state:
                 stream = None if state is None else Stream.load(state, qa, **ids)
             if stream is not None:
                 saved_watches, from_save = frozenset(watch.id for watch in stream.watches), True
+                source = "its last save"
         if stream is not None:
             recorded = data.get("saved") or {}
             try:
@@ -73,10 +75,17 @@ class StreamLoader:
             if not getattr(stream, "keeps_cache", True):  # its counts alone were kept: it goes on from them
                 saved = counted(stream, data, saved)
         answers = recalled(data.get("answers"))[-ANSWERS:]
+        lost = lost_at_start(data, stream)
+        if lost is not None:  # a kill (or a lost save or file set) after its record last saw more
+            log.error("stream %s came back without %d frames pushed (%d kept frames) that it had taken before the "
+                      "server stopped%s; it holds %d frames, resumed from %s: push them again from resume_from=%d",
+                      data["id"], max(lost["pushed"], lost["frames"]), lost["frames"],
+                      f", nor {lost['answers']} answers' frames" if lost["answers"] else "",
+                      stream.frames, source, stream.pushed)
         entry = StreamEntry(data["id"], data["owner"], data["settings"], data["horizon_frames"], data["max_fps"],
                             data["name"], data["created"], stream, last_seconds=saved["seconds"], saved=saved,
                             answers=answers, owned=bool(data.get("owned")), saved_watches=saved_watches,
-                            from_save=from_save, tier_saved=tier_saved)
+                            from_save=from_save, tier_saved=tier_saved, lost=lost)
         if self.files.read_note(entry.id) is not None:  # repaired since it was quarantined
             try:
                 self.files.remove_note(entry.id)
