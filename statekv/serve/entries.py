@@ -47,7 +47,8 @@ class StreamEntry:
     # recorded, how many failed and when it was last logged (None once a record is written again)
     saved_watches: frozenset[str] = frozenset()  # the watches its last save holds (their events up to it are there)
     from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set
-    lost: dict[str, int] | None = None  # what its record had seen that the start brought it back without (`lost_at_start`)
+    lost: dict[str, int] | None = None  # what its record had seen that this start brought it back without
+    # (`lost_at_start`)
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -88,7 +88,8 @@ class HeldElsewhere:
                 "max_fps": record["max_fps"], "frames": self.frames, "pushed": saved.get("pushed", 0),
                 "pending": None, "seconds": saved.get("seconds"), "tokens": None, "carried": None, "handover": None,
                 "cache_bytes": None, "encode_seconds": None, "feeding": False, "feed": None, "saved": dict(saved),
-                "save_error": None, "lost": None, "resume_from": saved.get("pushed", 0), "resume_after_seconds": saved.get("seconds"),
+                "save_error": None, "lost": None,
+                "resume_from": saved.get("pushed", 0), "resume_after_seconds": saved.get("seconds"),
                 "replica": self.holder}
 
 
