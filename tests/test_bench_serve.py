@@ -497,6 +497,49 @@ def test_a_stop_while_the_local_server_starts_leaves_no_server_and_no_folder(mon
     assert not Path(arguments[arguments.index("--state-dir") + 1]).parent.exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent's death is signalled on Linux")
+def test_a_bench_killed_outright_leaves_no_server_of_its_own_running():
+    # SIGKILL (the OOM killer, `timeout -s KILL`) runs no handler of the bench: its server must not be left behind,
+    # holding its model's memory and its port, for good
+    import os
+    import signal
+
+    def children(pid: int) -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+        return found
+
+    def running(pid: int) -> bool:
+        try:
+            return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except OSError:
+            return False
+
+    bench = subprocess.Popen([sys.executable, "-c", "from statekv.bench.server import LocalServer\n"
+                              "with LocalServer(['--model', 'builtin']):\n    pass"], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 10
+        while not (server := children(bench.pid)) and time.monotonic() < deadline and bench.poll() is None:
+            time.sleep(0.02)
+        assert server, "the bench started no server"
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+        deadline = time.monotonic() + 10
+        while running(server[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = running(server[0])
+        if left:
+            os.kill(server[0], signal.SIGKILL)
+        assert not left, "the bench's server outlived it"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
 def test_streams_made_and_deleted_leave_nothing_behind(tmp_path):
     """benchmarks/serve_churn.py, a few cycles: every stream made is deleted with its files, and the report says so
     (the full run's figures are in docs/serving.md)."""

@@ -46,7 +46,8 @@ class _ServerBlock:
 class LocalServer(_ServerBlock):
     """``statekv serve`` with ``options`` (its command-line flags) in a process of its own (``threads``: its torch
     threads), for the length of a ``with`` block: ``url`` and ``key`` once it listens. Its log is kept in its
-    temporary folder (the last line is named if it fails to start)."""
+    temporary folder (the last line is named if it fails to start). On Linux the server is sent SIGTERM if this
+    process dies without stopping it (SIGKILL): the thread that starts it must live as long as it does."""
 
     def __init__(self, options: list[str], *, threads: int | None = None, start_timeout: float = 900.0):
         self.options, self.threads, self.start_timeout = options, threads, start_timeout
@@ -69,7 +70,7 @@ class LocalServer(_ServerBlock):
             env["OMP_NUM_THREADS"] = str(self.threads)
         with open(log, "w") as output:
             self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL, preexec_fn=_ends_with_this_process())
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             text = log.read_text(errors="replace")
@@ -106,6 +107,29 @@ class LocalServer(_ServerBlock):
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
+
+
+def _ends_with_this_process():
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies, however it dies (SIGKILL, the OOM
+    killer), so a server started for a benchmark is never left running, and holding its memory, behind it
+    (Linux's ``PR_SET_PDEATHSIG``; None elsewhere: the child is then stopped only by ``__exit__``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def ends_with_parent() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return ends_with_parent
 
 
 def histogram_totals(url: str, metric: str = BATCH_METRIC) -> tuple[float, float] | None:
