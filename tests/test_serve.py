@@ -797,6 +797,35 @@ def test_a_feed_the_server_stops_answers_how_to_go_on_and_goes_on_from_there(tmp
         again.stop()
 
 
+def test_a_second_ctrl_c_stops_the_server_at_once_in_one_line_and_its_streams_are_saved(tmp_path, media):
+    """Before: a second Ctrl-C had uvicorn skip the app's shutdown, whose task was cancelled as the loop ended: the
+    streams were saved then, but the log showed a traceback of the lifespan protocol."""
+    state = tmp_path / "state"
+    server = Server(state, media, "--no-page", "--save-every-seconds", "3600", "--save-every-frames", "100000")
+    server.start()
+    try:
+        with server.client() as client:
+            stream = _create(client, horizon_frames=None)
+            for seed in range(3):
+                pushed = client.post(f"/v1/streams/{stream}/frames", content=_png(np.full((32, 32, 3), seed * 80,
+                                     np.uint8)), headers={"Content-Type": "image/png"})
+                assert pushed.status_code == 200, pushed.text
+        server.process.send_signal(signal.SIGINT)
+        time.sleep(0.02)
+        server.process.send_signal(signal.SIGINT)
+        server.process.wait(timeout=30)
+    finally:
+        server.stop()
+    printed = server.printed()
+    assert server.process.returncode == 130 and "Traceback" not in printed, printed[-3000:]
+    again = Server(state, media, "--no-page").start()
+    try:
+        with again.client() as client:
+            assert client.get(f"/v1/streams/{stream}").json()["frames"] == 3
+    finally:
+        again.stop()
+
+
 def test_a_port_in_use_or_a_host_not_of_this_machine_stops_a_start_at_once(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

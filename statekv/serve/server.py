@@ -3,7 +3,8 @@ of watch events (``GET /v1/streams/{id}/events``), which never ends of itself an
 graceful shutdown until its timeout, then be cancelled with a traceback; and every feed of a video file, which
 ends at its next frame, answering how to go on. Answers being given may finish until shortly before the graceful
 shutdown's timeout (`ANSWER_MARGIN_SECONDS`); those still running then stop at their next token, answering with a
-one-line 503, rather than be cancelled. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
+one-line 503, rather than be cancelled; a second Ctrl-C stops them at once, and the streams are still saved as the app
+shuts down. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
 does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class AppServer(uvicorn.Server):
             if stop is not None:
                 stop.cancel()
             self.registry.stop_answers()
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            # a second Ctrl-C has uvicorn skip the app's shutdown: the streams are still saved and closed, by the
+            # app's own shutdown now, rather than as its task is cancelled when the loop ends (a traceback logged)
+            await self.lifespan.shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
