@@ -126,7 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.unraisablehook = previous_hook
         if in_main_thread:  # a handler not installed from Python (None) cannot be put back: Python's own then
             signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-    return run_command(args.command, lambda: args.run(args))
+    status = run_command(args.command, lambda: args.run(args))
+    if argv is None and in_main_thread and status in _STOPPED:
+        # stopped, kept and said: a Ctrl-C pressed again (or another stop) as the process ends would only cut its
+        # teardown (atexit callbacks, finalizers) with a traceback and end it by SIGINT
+        for number in _STOPPED.values():
+            signal.signal(number, signal.SIG_IGN)
+    return status
+
+
+_STOPPED = {128 + number: number for number in (getattr(signal, name, None) for name in ("SIGINT", "SIGTERM", "SIGHUP"))
+            if number is not None}
 
 
 if __name__ == "__main__":

@@ -890,3 +890,19 @@ def test_demo_on_a_video_with_a_frame_that_cannot_be_read_says_so_in_the_command
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert said.startswith("statekv demo: error: ") and "f03.png" in said and ".encoded" not in said, said
     assert said.endswith("give one that reads to its end, or ask from the frames before it with statekv answer")
+
+
+def test_a_ctrl_c_pressed_again_as_a_stopped_command_ends_cuts_no_teardown(tmp_path):
+    """Before: the stop's line was followed by "Exception ignored in atexit callback ... KeyboardInterrupt" and the
+    process ended by SIGINT, not with its status."""
+    child = ("import atexit, os, signal, sys, threading, time\n"
+             "from statekv.cli import main\n"
+             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.3)))\n"
+             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+             f"sys.argv = ['statekv', 'synthetic', 'make', '--out', {str(tmp_path / 'set')!r}, '--videos', '400',"
+             " '--seed', '1', '--frames', '3600']\n"
+             "sys.exit(main())\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 130, done.stderr
+    assert "statekv synthetic: interrupted" in done.stderr and "Traceback" not in done.stderr, done.stderr
