@@ -898,7 +898,11 @@ def test_a_ctrl_c_pressed_again_as_a_stopped_command_ends_cuts_no_teardown(tmp_p
     child = ("import atexit, os, signal, sys, threading, time\n"
              "from statekv.cli import main\n"
              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.3)))\n"
-             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+             f"def stop():  # once the make has begun writing\n"
+             f"    while not os.path.isdir({str(tmp_path / 'set')!r}):\n"
+             f"        time.sleep(0.01)\n"
+             f"    os.kill(os.getpid(), signal.SIGINT)\n"
+             "threading.Thread(target=stop, daemon=True).start()\n"
              f"sys.argv = ['statekv', 'synthetic', 'make', '--out', {str(tmp_path / 'set')!r}, '--videos', '400',"
              " '--seed', '1', '--frames', '3600']\n"
              "sys.exit(main())\n")
