@@ -265,6 +265,16 @@ def test_cli_reports_bad_input_in_one_line(capsys):
     assert err.startswith("statekv flops: error: unknown model preset") and "\n" not in err
 
 
+def test_measuring_past_the_models_rope_says_how_many_steps_fit(capsys):
+    """Before: the error advised --max-frames and --positions bounded, flags the flops command does not have."""
+    from statekv.cli import main
+
+    assert main(["flops", "--models", "internvl3-8b", "--measure", "400"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("statekv flops: error: 400 steps of 259 tokens take 103600 positions, beyond the model's RoPE (at "
+                   "most 32768): measure at most 126 steps")
+
+
 def test_cli_module_entry_point_and_plots(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "statekv.cli", "flops", "--json", "--frames", "32", "--models", "internvl3-1b",

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from statekv.errors import ConfigurationError
+from statekv.core.positions.rope import rope_capacity
+from statekv.errors import ConfigurationError, HorizonError
 
 from .analytic import Method, make_method, resolve_model
 from .presets import ModelSpec, to_config
@@ -144,8 +145,14 @@ def measure_language(model: torch.nn.Module, spec: ModelSpec, method: Method, n_
         raise ConfigurationError(f"{method.label} runs PyTorch's fused CPU SDPA at some step, which FlopCounterMode "
                                  f"counts as 0 FLOPs; measure on a meta-device model, or use StateKV with a budget "
                                  f"below the {tokens} tokens per step")
-    stream = statekv.StreamingPrefill(model, policy_for(method, spec.frames_per_step), attention=attention,
-                                      horizon=n_steps * tokens)
+    try:
+        stream = statekv.StreamingPrefill(model, policy_for(method, spec.frames_per_step), attention=attention,
+                                          horizon=n_steps * tokens)
+    except HorizonError:  # its own advice names flags of the commands that stream videos
+        capacity = rope_capacity(model.config.get_text_config())
+        raise ConfigurationError(f"{n_steps} steps of {tokens} tokens take {n_steps * tokens} positions, beyond the "
+                                 f"model's RoPE (at most {capacity}): measure at most {capacity // tokens} "
+                                 "steps") from None
     # Vision-tower modules may match too; they never run during a language step, so they count nothing.
     linear = [m for name, m in model.named_modules() if LINEAR_MODULE.search(name)]
     generator = torch.Generator().manual_seed(seed)
