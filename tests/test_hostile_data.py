@@ -251,7 +251,10 @@ def test_a_stopped_make_says_how_many_videos_it_kept_and_a_rerun_finishes_the_sa
     assert _one_line(err) == (f"statekv synthetic: stopped by SIGTERM; 2 of 4 videos written in {tmp_path / 'set'}; "
                               "rerun the same command to go on")
     monkeypatch.setattr(benchmark, "write_video", write)
-    assert _cli(capsys, *argv, tmp_path / "set")[0] == 0
+    assert main([*argv, str(tmp_path / "set")]) == 0
+    said = capsys.readouterr().out  # before: "wrote 4 videos", as if none had been kept
+    assert said.startswith("wrote 4 videos (2 of them written by the make this one went on from) and 24 "
+                           "questions"), said
     make_benchmark(tmp_path / "whole", videos=4, seed=52, num_frames=12)
     for name in ("questions.jsonl", *(f"videos/v000{index}.mp4" for index in range(4))):
         assert (tmp_path / "set" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

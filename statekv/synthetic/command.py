@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +59,7 @@ def _frames(text: str) -> int:
 
 
 def run_make(args: argparse.Namespace) -> int:
-    from statekv.synthetic.benchmark import holds_set, make_benchmark
+    from statekv.synthetic.benchmark import MAKING_FILE, VIDEO_DIR, holds_set, make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 
     from statekv.console import ProgressLine
@@ -75,9 +76,13 @@ def run_make(args: argparse.Namespace) -> int:
               "anew)")
         return 0
     started, line = time.monotonic(), ProgressLine()
+    resumed = not args.overwrite and (Path(args.out) / MAKING_FILE).is_file()
+    kept = sum(1 for path in (Path(args.out) / VIDEO_DIR).glob("v*.mp4") if not path.name.endswith(".partial.mp4")) \
+        if resumed else 0  # videos a stopped make of this set wrote whole
     path = make_benchmark(args.out, **settings, overwrite=args.overwrite,
                           progress=lambda done, total: line(done, total, "videos written"))
     questions = args.videos * (5 if args.streaming else len(families))
-    print(f"wrote {args.videos} video{'s' * (args.videos != 1)} and {questions} question{'s' * (questions != 1)} "
-          f"to {args.out} ({path.name}) in {time.monotonic() - started:.1f} s")
+    earlier = f" ({kept} of them written by the make this one went on from)" if kept else ""
+    print(f"wrote {args.videos} video{'s' * (args.videos != 1)}{earlier} and {questions} "
+          f"question{'s' * (questions != 1)} to {args.out} ({path.name}) in {time.monotonic() - started:.1f} s")
     return 0
