@@ -635,6 +635,12 @@ def test_a_start_after_a_kill_says_what_each_stream_lost_in_its_log_and_its_info
             assert client.get(f"/v1/streams/{kept}").json()["lost"] is None
     said = [r.getMessage() for r in caplog.records if "came back without" in r.getMessage()]
     assert len(said) == 1 and lost in said[0] and "3 frames pushed" in said[0] and "1 answers" in said[0], said
+    caplog.clear()  # said once: the starts after it, with nothing lost since, say nothing (the reviewer's finding)
+    with caplog.at_level(logging.ERROR, logger="statekv.serve"):
+        for _ in range(2):
+            with Running(tmp_path / "killed", qa) as server, server.client() as client:
+                assert client.get(f"/v1/streams/{lost}").json()["lost"] is None
+    assert not [r.getMessage() for r in caplog.records if "came back without" in r.getMessage()]
 
 
 def test_a_deletion_note_not_of_this_server_removes_nothing_at_the_next_start(qa, tmp_path, options, caplog):
@@ -1355,6 +1361,32 @@ def test_a_disk_tier_stream_kept_in_its_file_set_alone_is_deleted_only_where_its
     with Running(state, qa, options=disk) as server, server.client() as client:
         assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
     assert not [path for path in tier.iterdir() if path.is_dir()]
+
+
+def test_a_disk_tier_stream_whose_file_set_is_in_the_quarantine_or_elsewhere_is_deleted_and_says_so(qa, tmp_path,
+                                                                                                   options, caplog):
+    """A file set moved into the state folder's quarantine is reached by every server, so its stream is deleted
+    there, files and all (the first version of the 409 refused it); one not in --offload-dir is deleted by its record,
+    with a warning naming the file set, which may be elsewhere."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        damaged, elsewhere = _stream(client, frames=2), _stream(client, frames=2, seed=10)
+    records = {stream_id: json.loads((state / "streams" / f"{stream_id}.json").read_text())
+               for stream_id in (damaged, elsewhere)}
+    (tier / records[damaged]["tier"] / "stream.json").write_text("{}")
+    shutil.move(tier / records[elsewhere]["tier"], tmp_path / records[elsewhere]["tier"])
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert {stream["state"] for stream in client.get("/v1/streams").json()["data"]} == {"damaged"}
+    assert list(state.glob(f"quarantine/{damaged}-*"))
+    with Running(state, qa, options=options) as server, server.client() as client:
+        assert client.delete(f"/v1/streams/{damaged}").status_code == 200
+    assert not list(state.glob(f"quarantine/{damaged}-*"))
+    with caplog.at_level(logging.WARNING, logger="statekv.serve"):
+        with Running(state, qa, options=disk) as server, server.client() as client:
+            assert client.delete(f"/v1/streams/{elsewhere}").status_code == 200
+    said = [r.getMessage() for r in caplog.records if "remove it by hand" in r.getMessage()]
+    assert len(said) == 1 and records[elsewhere]["tier"] in said[0] and str(tier) in said[0], said
 
 
 def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(qa, tmp_path, options, caplog,

@@ -253,11 +253,14 @@ def lost_at_start(record: dict[str, Any], stream: Any) -> dict[str, int] | None:
     watch change and save, notes the stream's counts then; an older record, the frames its answers were given
     over) that its save or file set does not hold, and ``answers``, how many of its kept answers were given over
     frames it no longer holds. A lower bound: pushes after the record's last write leave no trace."""
-    seen = record.get("seen") if isinstance(record.get("seen"), dict) else {}
     answered = [note["frames"] for note in record.get("answers") or []
                 if isinstance(note, dict) and type(note.get("frames")) is int]
-    frames = max([count for count in (seen.get("frames"), *answered) if type(count) is int], default=0)
-    pushed = seen.get("pushed") if type(seen.get("pushed")) is int else 0
-    lost = {"pushed": max(0, pushed - stream.pushed), "frames": max(0, frames - stream.frames),
-            "answers": sum(1 for count in answered if count > stream.frames)}
-    return lost if any(lost.values()) else None
+    seen = record.get("seen")
+    if isinstance(seen, dict):  # the counts at its last write: its answers are before them, their loss told by them
+        pushed, frames = (seen.get(name) if type(seen.get(name)) is int else 0 for name in ("pushed", "frames"))
+    else:  # a record from before it noted them: the frames its answers were given over
+        pushed, frames = 0, max(answered, default=0)
+    lost = {"pushed": max(0, pushed - stream.pushed), "frames": max(0, frames - stream.frames)}
+    if not any(lost.values()):
+        return None
+    return {**lost, "answers": sum(1 for count in answered if count > stream.frames)}

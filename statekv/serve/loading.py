@@ -74,8 +74,9 @@ class StreamLoader:
             stream = qa.stream(data["horizon_frames"], max_fps=data["max_fps"], name=data["name"], **ids)
             if not getattr(stream, "keeps_cache", True):  # its counts alone were kept: it goes on from them
                 saved = counted(stream, data, saved)
+                source = "its record's counts (its method keeps no frames)"
         answers = recalled(data.get("answers"))[-ANSWERS:]
-        lost = lost_at_start(data, stream)
+        lost = None if healing else lost_at_start(data, stream)  # healing: the server runs on, its loss said there
         if lost is not None:  # a kill (or a lost save or file set) after its record last saw more
             log.error("stream %s came back without %d frames pushed (%d kept frames) that it had taken before the "
                       "server stopped%s; it holds %d frames, resumed from %s: push them again from resume_from=%d",
@@ -106,8 +107,9 @@ class StreamLoader:
             with contextlib.suppress(Exception):
                 entry.stream.close()
             raise
-        if not healing and (entry.record()["tier"] != data.get("tier") or data.get("stopped")):
-            try:  # its new file set named; a stop's mark cleared, since pushes from now on are its file set's alone
+        if not healing and (entry.record()["tier"] != data.get("tier") or data.get("stopped") or entry.lost):
+            try:  # its new file set named; a stop's mark cleared, since pushes from now on are its file set's alone;
+                # a loss said once: the counts it notes are the stream's now
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:
                 log.error("cannot record stream %s's new disk-tier folder, or that it runs again: %s", entry.id,

@@ -102,13 +102,18 @@ class StreamRegistry:
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
                                f"remove its files from {self.files.where} by hand: {files}")
         record = await asyncio.to_thread(self.record_of, stream_id)
-        if isinstance(record, dict) and record.get("tier_saved") is True and record.get("tier") and (
-                self.settings.qa.engine.offload != "disk" or not self.placement.resume_tiers):
-            raise ServiceError(409, f"stream {stream_id}'s frames are kept in its disk-tier file set {record['tier']}"
-                               ", which this server does not reach; nothing was deleted: delete it from one server "
-                               "started alone with --offload disk and the --offload-dir it was served with")
+        tier = record.get("tier") if isinstance(record, dict) and record.get("tier_saved") is True else None
+        engine, moved = self.settings.qa.engine, tier and self.files.quarantined(stream_id)  # moved: all here
+        if tier and not moved and (engine.offload != "disk" or not self.placement.resume_tiers):
+            raise ServiceError(409, f"stream {stream_id}'s frames are kept in its disk-tier file set {tier}, which "
+                               "this server does not reach; nothing was deleted: delete it from one server started "
+                               "alone with --offload disk and the --offload-dir it was served with")
+        elsewhere = tier and not moved and not (Path(engine.offload_dir) / tier).exists()  # lost, or another folder
         await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
+        if elsewhere:
+            log.warning("stream %s is deleted, but its disk-tier file set %s was not in --offload-dir %s: if it is "
+                        "elsewhere, remove it by hand", stream_id, tier, engine.offload_dir)
         return True
 
     async def find(self, owner: str, stream_id: str, *, heal: bool = True) -> StreamEntry:
@@ -530,7 +535,7 @@ class StreamRegistry:
             raise
         if recorded:
             end_creation(note)  # else kept: the next start removes the file sets its record does not name
-        if entry.tier_saved:  # a kill between its record saying so and the removal of its whole save
+        if entry.tier_saved and not healing:  # a kill between its record saying so and its whole save's removal
             self.drop_whole_save(entry)
         self.damaged.pop(entry.id, None)
         return entry
