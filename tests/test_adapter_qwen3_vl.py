@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -318,6 +319,25 @@ def test_a_malformed_video_config_is_refused_in_one_line(tmp_path, config):
     with pytest.raises(InputError, match="video preprocessing config is malformed") as error:
         QwenVideoSettings.from_pretrained(tmp_path)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dropped", ["text_config", "vision_config"])
+def test_a_config_without_its_text_or_vision_sizes_is_refused_before_any_model_is_built(checkpoint, tmp_path,
+                                                                                       dropped, monkeypatch):
+    """Before: transformers built its default sizes (an 8B language model, tens of GiB in float32) for the missing
+    part, and only then found the weights unlike it."""
+    import transformers
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config[dropped]
+    (copy / "config.json").write_text(json.dumps(config))
+    built = []
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", lambda *args, **kwargs: built.append(1))
+    with pytest.raises(InputError, match=f"its config.json has no {dropped}") as error:
+        Qwen3VLAdapter.from_pretrained(copy)
+    assert "\n" not in str(error.value) and not built
 
 
 def test_bad_inputs_raise_one_line_errors(adapter, frames, full_run, tmp_path):

@@ -204,6 +204,11 @@ class Qwen3VLAdapter(VideoAdapter):
         model_type = checkpoint_model_type(path)
         if model_type not in cls.model_types:
             raise UnsupportedModelError(f"{path} is a {model_type!r} checkpoint, not {cls.family}")
+        config = checkpoint_json(path, "config.json") or {}
+        missing = [name for name in ("text_config", "vision_config") if not isinstance(config.get(name), dict)]
+        if missing:  # transformers would build its default sizes (an 8B model) before reading a weight
+            raise InputError(f"{path}: its config.json has no {' or '.join(missing)}; a {cls.family} checkpoint's "
+                             "names the sizes of its language model and vision tower")
         try:
             model = AutoModelForImageTextToText.from_pretrained(
                 path, dtype=dtype or "auto", trust_remote_code=trust_remote_code, **model_kwargs)
