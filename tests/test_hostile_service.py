@@ -518,6 +518,7 @@ def test_answers_on_a_full_state_folder_log_its_record_failure_once_and_its_reco
     """Before: each answer whose note could not be recorded (a full disk) logged the failure again, one line per
     answer; the same full disk read as a new reason each time (each write's partial file has a name of its own)."""
     import statekv.flushing as flushing
+    import statekv.serve.entries as entries
 
     real = flushing.write_flushed
 
@@ -537,10 +538,14 @@ def test_answers_on_a_full_state_folder_log_its_record_failure_once_and_its_reco
             failures = [r.getMessage() for r in caplog.records if "cannot record" in r.getMessage()]
             assert len(failures) == 1, failures  # the first failure alone, saying what was not recorded
             assert "an answer" in failures[0] and stream_id in failures[0] and "No space left" in failures[0]
+            monkeypatch.setattr(entries, "RECORD_FAILURE_LOG_SECONDS", 0.0)  # the period over: logged again, counted
+            client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})
+            failures = [r.getMessage() for r in caplog.records if "cannot record" in r.getMessage()]
+            assert len(failures) == 2 and "3 more failed the same way" in failures[1], failures
             monkeypatch.setattr(flushing, "write_flushed", real)
             client.post(f"/v1/streams/{stream_id}/ask", json={"question": QUESTION, "max_new_tokens": 2})
             again = [r.getMessage() for r in caplog.records if "written again" in r.getMessage()]
-            assert len(again) == 1 and "4 writes had failed" in again[0], again
+            assert len(again) == 1 and "5 writes had failed" in again[0], again
 
 
 # ---------------------------------------------------------------------------------------------------------------
