@@ -396,7 +396,11 @@ class StreamRegistry:
         completion = int(tokens.shape[1])
         context = stream.read_tokens if prefill is None else stream.tokens + prompt
         read = stream.answer_info.read_frames if stream.answer_info is not None else None
-        return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": entry.last_seconds,
+        # the time of the last frame the answer read: a frame pushed since may wait for its step (Qwen3-VL's
+        # pairs) or have been dropped (max_fps), as a watch's event says
+        encoded = getattr(stream, "encoded_timestamp", None)
+        seconds = entry.last_seconds if encoded is None else encoded
+        return {"answer": stream.adapter.decode(tokens), "frames": stream.frames, "seconds": seconds,
                 "id": entry.id, "read_frames": None if read is None else list(read),
                 "usage": {"prompt_tokens": context, "completion_tokens": completion,
                           "total_tokens": context + completion}}
