@@ -465,6 +465,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         index, timestamp = framed[-1]
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
         stream.kept_timestamp = stream.encoded_timestamp = stream.last_timestamp
+        stream.encoded_pushed = stream.pushed
         if stream.max_fps is not None:
             stream.next_tick = tick(timestamp, stream.max_fps) + 1
     if isinstance(last.get(KEPT_TIMESTAMP), (int, float)):  # loaded from a file: its last pushed frame may not be

@@ -160,6 +160,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     last = [stream.pushed - 1, stream.last_timestamp or 0.0]
     if stream.pending:  # the last frame streamed comes before the pending ones: a resume pushes them again
         last = [stream.pending[0].index - 1, stream.encoded_timestamp]
+    stream.encoded_pushed = last[0] + 1
     loaded = loaded_record(state, last, stream.encoded_timestamp)
     try:
         if handed_over:

@@ -84,7 +84,8 @@ class Stream(EncodedVideo):
     Attributes beyond `EncodedVideo`'s: ``horizon_frames`` (the most frames it can take), ``max_fps``,
     ``vision_batch``, ``pushed`` (frames offered), ``pending`` (kept frames waiting for their step or batch),
     ``last_timestamp`` and ``next_tick`` (where the push clock stands), ``kept_timestamp`` (the last kept frame's
-    time), ``encoded_timestamp`` (the last encoded frame's), ``lock`` (the calls' turns), ``id``,
+    time), ``encoded_timestamp`` (the last encoded frame's), ``encoded_pushed`` (the frames pushed up to the last
+    encoded one: those a disk-tier stream's `sync` makes durable), ``lock`` (the calls' turns), ``id``,
     ``created`` and ``owner_digest`` (who it is, recorded in its files and checked when they are loaded;
     ``identity``: all of it as recorded).
 
@@ -126,6 +127,7 @@ class Stream(EncodedVideo):
         self.last_timestamp: float | None = None
         self.kept_timestamp: float | None = None  # the last kept frame's (a later one may have been dropped)
         self.encoded_timestamp: float | None = None  # the last encoded frame's (later kept ones may be pending)
+        self.encoded_pushed = 0  # frames pushed up to the last encoded one: what `sync` makes durable
         self.frames_lost = 0  # after `load`: frames pushed before a crash that were not durable
         self.watching = None  # its watches (`statekv.api.watch.Watches`), once one is opened
         self.durability.open_watches = weakly(self, lambda stream: (watch_records(stream), watch_tensors(stream)),
@@ -282,6 +284,7 @@ class Stream(EncodedVideo):
         self.pending = self.pending[sum(len(group) for group in job.groups[:job.streamed]):]
         if job.streamed and job.groups[job.streamed - 1]:
             self.encoded_timestamp = job.groups[job.streamed - 1][-1].timestamp
+            self.encoded_pushed = job.groups[job.streamed - 1][-1].index + 1
         if failed and offered and job.streamed < len(job.groups):
             self.durability.withdrawn(self.pending.pop())
 

@@ -413,8 +413,11 @@ class StreamRegistry:
         if entry.deleted or not entry.dirty and (entry.tier_saved if in_tier else self.files.has_state(entry.id)):
             return
         saved_watches = save_stream(entry, self.files, in_tier)
+        stream, pushed, seconds = entry.stream, entry.stream.pushed, entry.last_seconds
+        if in_tier and stream.encoded_pushed < pushed:  # its file set holds its steps, not the frames pushed since
+            pushed, seconds = stream.encoded_pushed, stream.encoded_timestamp  # (waiting for a step, or dropped)
         with entry.recording:  # together: a record written meanwhile cuts its watches' events where it says
-            entry.saved = {"pushed": entry.stream.pushed, "frames": entry.stream.frames, "seconds": entry.last_seconds}
+            entry.saved = {"pushed": pushed, "frames": stream.frames, "seconds": seconds}
             entry.saved_watches, entry.tier_saved = saved_watches, in_tier
         entry.saved_at = time.monotonic()
         if entry.save_error is not None:
