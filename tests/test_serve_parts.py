@@ -536,6 +536,34 @@ def test_the_first_token_is_timed_when_generated_though_it_shows_no_text_yet():
         loop.close()
 
 
+@pytest.mark.parametrize("pieces, whole", [(["Hi", " ", "\n"], "Hi"), (["Hi", " ", "\ufffd"], "Hi \ufffd"),
+                                           (["Hi", " ", "\ufffd", "!"], "Hi \ufffd!")])
+def test_an_answers_streamed_pieces_add_up_to_the_answer_given_whole(pieces, whole):
+    """Before: the pieces kept an answer's trailing spaces, which the whole answer strips, and never sent a last
+    character left incomplete by the answer's end (``\\ufffd`` in the whole answer)."""
+    import torch
+    from statekv.serve.sse import TokenStreamer
+
+    class Pieces:  # token i decodes to pieces[i]
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(pieces[i] for i in ids)
+
+    loop = asyncio.new_event_loop()
+    try:
+        streamer = TokenStreamer(Pieces(), loop)
+        streamer.put(torch.tensor([[7, 8]]))  # the prompt
+        for token in range(len(pieces)):
+            streamer.put(torch.tensor([token]))
+        streamer.end()
+
+        async def sent():
+            return [piece async for piece in streamer.pieces()]
+
+        assert "".join(loop.run_until_complete(sent())) == whole == Pieces().decode(list(range(len(pieces)))).strip()
+    finally:
+        loop.close()
+
+
 def test_a_server_raises_its_soft_limit_on_open_files_to_its_hard_limit():
     """A disk-tier stream holds a few files a layer open: a server's streams would pass the usual soft limit of
     1,024 long before ``--max-streams`` (about 200 files a stream for a 28-layer model)."""

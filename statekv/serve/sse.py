@@ -74,16 +74,20 @@ class TokenStreamer(BaseStreamer):
         if self.halted.is_set() or (self.whole and not self.stops.stops):  # past a stop, or no piece to read
             return
         text, halted = self.stops.cut(self.text())
-        if halted:
+        if halted:  # the answer ends here, as it is given whole
             self.halted.set()
-        self._show(text if halted else self.stops.settled(text))
+            self._show(text, final=True)
+        else:  # trailing spaces wait for a word after them: an answer given whole is stripped
+            self._show(self.stops.settled(text).rstrip())
 
     def text(self) -> str:
         """The text of the tokens generated so far, as the whole answer's."""
         return self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
 
-    def _show(self, text: str) -> None:
-        if text.startswith(self.sent) and len(text) > len(self.sent) and not text.endswith("\ufffd"):
+    def _show(self, text: str, final: bool = False) -> None:
+        """Send what ``text`` adds to the text sent; a character not yet complete (``\\ufffd``) waits, unless the
+        answer ends there (``final``), where it is the whole answer's too."""
+        if text.startswith(self.sent) and len(text) > len(self.sent) and (final or not text.endswith("\ufffd")):
             piece, self.sent = text[len(self.sent):], text
             self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
 
@@ -102,8 +106,8 @@ class TokenStreamer(BaseStreamer):
         return True
 
     def end(self) -> None:
-        if self.stops.stops and not self.halted.is_set() and not self.whole:
-            self._show(self.text())  # what waited to tell whether a stop sequence began
+        if not self.halted.is_set() and not self.whole:
+            self._show(self.text().rstrip(), final=True)  # what waited: a stop sequence's start, a last character
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
     async def pieces(self):
