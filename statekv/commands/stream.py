@@ -321,7 +321,7 @@ class _Replay:
             self.cache_full = (
                 f"{stream.name}: the detailed cache is full at frame {held + 1} "
                 f"(max_cache_bytes={format_bytes(stream.engine.max_cache_bytes)}): the stream stopped"
-                + (f" at {frame.timestamp:.2f} s" if frame is not None else "")
+                + (f" at {stopped_at:.2f} s" if (stopped_at := refused_time(stream, frame)) is not None else "")
                 + f"; the {left} question{'s' if left != 1 else ''} left {'are' if left != 1 else 'is'} answered from "
                 + (f"the {held} frames before it" if held > 1 else "the frame before it"))
             print(f"statekv stream: warning: {self.cache_full}", file=sys.stderr, flush=True)
@@ -512,3 +512,11 @@ def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
         except OutputError as error:
             tried.append(one_line(error))
     raise OutputError(f"could not save the stream to {target} ({problem}), nor to a rescue file ({'; '.join(tried)})")
+
+
+def refused_time(stream, frame) -> float | None:
+    """The time of the first frame the cache cap refused: the first still waiting when a step of several frames
+    (Qwen3-VL's pairs) was refused, else the frame just pushed (None: none was)."""
+    if stream.pending:
+        return stream.pending[0].timestamp
+    return None if frame is None else frame.timestamp
