@@ -23,6 +23,11 @@ class InputError(StateKVError, ValueError):
     """A chunk, prompt, question or saved stream given to statekv is malformed."""
 
 
+class OtherSetupError(InputError):
+    """A saved stream was made with another model, layout, dtype, engine setting or method than the one loading it:
+    its files are sound, and load with the setup they were saved with."""
+
+
 class UnsupportedModelError(StateKVError, ValueError):
     """The model cannot be used (unknown family, or attention that bypasses transformers' AttentionInterface)."""
 

@@ -25,7 +25,7 @@ import statekv
 from bad_videos import cut_after_header
 from statekv import Stream
 from statekv.cli import main
-from statekv.errors import ConfigurationError, OutputError
+from statekv.errors import ConfigurationError, OtherSetupError, OutputError
 from statekv.eval.fabricate import write_mini_videomme
 from statekv.eval.lock import RunLock
 from statekv.eval.runner import EvalConfig, lock_for_every_rank, run_evaluation
@@ -715,7 +715,7 @@ def test_a_checksum_without_its_tensor_is_refused(saved, qa, tmp_path):
 def test_another_checkpoint_is_refused_unless_allowed(saved, files, tmp_path):
     other = statekv.VideoQA.from_pretrained(make_tiny_checkpoint("internvl", tmp_path / "other", seed=1),
                                             budget=20, attention="eager", reserve_tokens=64)
-    with pytest.raises(statekv.InputError, match="saved with other weights"):
+    with pytest.raises(OtherSetupError, match="saved with other weights"):  # an InputError: sound files
         Stream.load(saved[0], other)
     resumed = Stream.load(saved[0], other, allow_other_weights=True)  # the user vouches for it
     assert resumed.frames == 3
@@ -725,7 +725,7 @@ def test_another_checkpoint_is_refused_unless_allowed(saved, files, tmp_path):
 def test_a_stream_saved_in_another_dtype_is_refused(saved, files):
     half = statekv.VideoQA.from_pretrained(files["model"], budget=20, attention="eager", reserve_tokens=64,
                                            dtype="bfloat16")
-    with pytest.raises(statekv.InputError, match="saved with dtype 'float32', but this VideoQA has 'bfloat16'"):
+    with pytest.raises(OtherSetupError, match="saved with dtype 'float32', but this VideoQA has 'bfloat16'"):
         Stream.load(saved[0], half)
 
 

@@ -1368,6 +1368,27 @@ def test_a_disk_tier_stream_kept_in_its_file_set_alone_is_deleted_only_where_its
     assert not [path for path in tier.iterdir() if path.is_dir()]
 
 
+def test_a_start_with_another_setup_leaves_disk_tier_file_sets_where_they_are_for_a_start_with_theirs(qa, tmp_path,
+                                                                                                     options):
+    """Before: a start with another model, layout, dtype or method than the streams were saved with (a mistyped
+    flag) moved every disk-tier stream's sound file set into the quarantine, and a start with the right flags then
+    still listed each as damaged until its folder was moved back by hand."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    file_sets = sorted(path.name for path in tier.iterdir())
+    other = disk.with_changes(dtype="bfloat16")
+    with Running(state, statekv.VideoQA.from_options(other), options=other) as server, server.client() as client:
+        listed = client.get("/v1/streams").json()["data"]
+        assert [stream["state"] for stream in listed] == ["damaged"]
+        assert "saved with another setup" in str(listed[0]) and "left where it is" in str(listed[0]), listed
+    assert sorted(path.name for path in tier.iterdir()) == file_sets and not list(state.glob("quarantine/*-*"))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        info = client.get(f"/v1/streams/{stream_id}").json()
+        assert info["state"] == "ready" and info["frames"] == 2, info
+
+
 def test_a_disk_tier_stream_whose_file_set_is_in_the_quarantine_or_elsewhere_is_deleted_and_says_so(qa, tmp_path,
                                                                                                    options, caplog):
     """A file set moved into the state folder's quarantine is reached by every server, so its stream is deleted
@@ -1398,8 +1419,9 @@ def test_a_disk_tier_stream_whose_creation_a_kill_cut_short_leaves_no_file_set(q
                                                                                 monkeypatch):
     """Before: a kill after a disk-tier stream's file set was made and before its record was written left a file
     set that no record named: no deletion reached it, and kills over weeks piled them up. The next start removes
-    it, also when the kill came before the file set described its stream, and a note that a kill cut short mid-write; the streams made whole keep theirs, and
-    another server's notes in a shared folder (or a note that is no note) are left as they are."""
+    it, also when the kill came before the file set described its stream, and a note that a kill cut short
+    mid-write; the streams made whole keep theirs, and another server's notes in a shared folder (or a note that is
+    no note) are left as they are."""
     from statekv.serve.store import StreamFiles
 
     tier, state = tmp_path / "tier", tmp_path / "state"

@@ -57,7 +57,7 @@ from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
 from .step_lists import compacted, expanded
-from ..errors import InputError, OutputError
+from ..errors import InputError, OtherSetupError, OutputError
 from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
 from ..models import LayoutState
@@ -566,16 +566,17 @@ def check_same_setup(path: str | os.PathLike, metadata: dict[str, Any], qa: Any,
     saved, current = metadata["model"], model_identity(qa)
     for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
         if saved[key] != current[key]:
-            raise InputError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has {current[key]!r}")
+            raise OtherSetupError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has "
+                                  f"{current[key]!r}")
     refusal = engine.refusal(recorded_settings(metadata), str(path))
     if refusal is not None:
-        raise InputError(refusal)
+        raise OtherSetupError(refusal)
     policy, method = metadata["engine"]["policy"], metadata["engine"].get("method")
     if policy != repr(qa.policy):
         saved_with = policy if method is None else f"method {str(method)[:40]!r} ({policy})"
-        raise InputError(f"{path}: saved with {saved_with}, but this VideoQA uses method {qa.method!r} "
-                         f"({qa.policy!r})")
+        raise OtherSetupError(f"{path}: saved with {saved_with}, but this VideoQA uses method {qa.method!r} "
+                              f"({qa.policy!r})")
     if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
-        raise InputError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'}) "
-                         "than this model's, whose cache would differ; pass allow_other_weights=True to load "
-                         "it anyway")
+        raise OtherSetupError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'})"
+                              " than this model's, whose cache would differ; pass allow_other_weights=True to load "
+                              "it anyway")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..api.stream import Stream
 from ..core.disk.files import hold
-from ..errors import InputError, OutputError, StateKVError
+from ..errors import InputError, OtherSetupError, OutputError, StateKVError
 from .answer_notes import recalled
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_start
 from .errors import public_message, reason_of
@@ -158,6 +158,10 @@ class StreamLoader:
             return None
         try:
             return Stream.load(folder, qa, **ids)
+        except OtherSetupError as error:  # sound files, another model or settings: left for a start with them
+            why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
+            raise Quarantined(f"its disk-tier file set {folder.name} was saved with another setup ({why}); left where "
+                              "it is: start the server with the model and settings it was saved with") from None
         except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
             if healing and isinstance(error, OutputError):
                 raise  # not damage: tried again once the folder can be written
