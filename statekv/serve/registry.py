@@ -40,7 +40,7 @@ from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
-from .tier_saves import save_stream, saved_in_tier
+from .tier_saves import drop_whole_save, save_stream, saved_in_tier, tier_kept
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -101,17 +101,17 @@ class StreamRegistry:
             files = ", ".join(self.files.files_of(stream_id))
             raise ServiceError(409, f"stream {stream_id} is damaged and its record names no owner that can be read; "
                                f"remove its files from {self.files.where} by hand: {files}")
-        record = await asyncio.to_thread(self.record_of, stream_id)
-        tier = record.get("tier") if isinstance(record, dict) and record.get("tier_saved") is True else None
-        engine, moved = self.settings.qa.engine, tier and self.files.quarantined(stream_id)  # moved: all here
-        if tier and not moved and (engine.offload != "disk" or not self.placement.resume_tiers):
+        engine = self.settings.qa.engine
+        reached = engine.offload_dir if engine.offload == "disk" and self.placement.resume_tiers else None
+        tier, found = await asyncio.to_thread(lambda: tier_kept(self.record_of(stream_id), stream_id, self.files,
+                                                                reached))
+        if tier and found is None:
             raise ServiceError(409, f"stream {stream_id}'s frames are kept in its disk-tier file set {tier}, which "
                                "this server does not reach; nothing was deleted: delete it from one server started "
                                "alone with --offload disk and the --offload-dir it was served with")
-        elsewhere = tier and not moved and not (Path(engine.offload_dir) / tier).exists()  # lost, or another folder
         await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
         self.damaged.pop(stream_id, None)
-        if elsewhere:
+        if tier and not found:  # lost with its disk, or in another folder
             log.warning("stream %s is deleted, but its disk-tier file set %s was not in --offload-dir %s: if it is "
                         "elsewhere, remove it by hand", stream_id, tier, engine.offload_dir)
         return True
@@ -425,19 +425,7 @@ class StreamRegistry:
             entry.save_error = None
         entry.write_record(self.files)
         if in_tier:  # only now that its record says its file set holds it all: a whole save left is never read
-            self.drop_whole_save(entry)
-
-    def drop_whole_save(self, entry: StreamEntry) -> None:
-        """Remove the whole save a stream saved in its disk-tier file set (its record ``tier_saved``, written) may
-        still have in the state folder (saved whole before: an older server, or a run with another placement); a
-        kill before the removal leaves it to the next start (`restore_one`). A failure is logged, the save kept."""
-        try:
-            if self.files.remove_state(entry.id):
-                log.info("stream %s: its whole save in %s is removed (its disk-tier file set holds every frame it "
-                         "took; its record says so)", entry.id, self.files.where)
-        except OSError as error:
-            log.warning("stream %s: cannot remove its older whole save from %s (%s); it is never read, and removed "
-                        "at its next save or start", entry.id, self.files.where, error.strerror or error)
+            drop_whole_save(entry.id, self.files)
 
     async def save_due(self) -> None:
         """Save every stream whose unsaved frames have waited ``save_every_seconds``. A save that fails is tried
@@ -543,7 +531,7 @@ class StreamRegistry:
         if recorded:
             end_creation(note)  # else kept: the next start removes the file sets its record does not name
         if entry.tier_saved and not healing:  # a kill between its record saying so and its whole save's removal
-            self.drop_whole_save(entry)
+            drop_whole_save(entry.id, self.files)
         self.damaged.pop(entry.id, None)
         return entry
 

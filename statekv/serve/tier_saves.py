@@ -8,7 +8,11 @@ the file set already journals every push, so a save costs what the frames since 
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("statekv.serve")
 
 
 def saved_in_tier(entry: Any, resume_tiers: bool) -> bool:
@@ -29,3 +33,29 @@ def save_stream(entry: Any, files: Any, in_tier: bool) -> frozenset[str]:
     watches = frozenset(watch.id for watch in entry.stream.watches)
     files.save_state(entry.id, entry.stream.save)
     return watches
+
+
+def drop_whole_save(stream_id: str, files: Any) -> None:
+    """Remove the whole save a stream saved in its disk-tier file set (its record, written, says ``tier_saved``) may
+    still have in the state folder (saved whole before: an older server, or a run with another placement); a kill
+    before the removal leaves it to the next start. A failure is logged, the save kept (it is never read)."""
+    try:
+        if files.remove_state(stream_id):
+            log.info("stream %s: its whole save in %s is removed (its disk-tier file set holds every frame it took; "
+                     "its record says so)", stream_id, files.where)
+    except OSError as error:
+        log.warning("stream %s: cannot remove its older whole save from %s (%s); it is never read, and removed at "
+                    "its next save or start", stream_id, files.where, error.strerror or error)
+
+
+def tier_kept(record: Any, stream_id: str, files: Any, offload_dir: str | None) -> tuple[str | None, bool | None]:
+    """For a damaged stream's deletion: the file set its ``record`` says holds its frames alone (None: it has a save
+    of its own), and whether that file set is reached: True when it was moved into the state folder's quarantine or
+    is in ``offload_dir`` (None: this server resumes no file sets), False when it is not there (lost with its disk,
+    or another folder given), None when this server cannot reach it."""
+    tier = record.get("tier") if isinstance(record, dict) and record.get("tier_saved") is True else None
+    if not tier:
+        return None, None
+    if files.quarantined(stream_id):
+        return tier, True
+    return tier, None if offload_dir is None else (Path(offload_dir) / tier).exists()
