@@ -7,6 +7,10 @@ save between its data and its metadata. So statekv's handlers never raise inside
 step, a save, an answer, a record written): they note the signal, and the region raises it as it ends, the
 work inside it done. Outside every region a stop is raised at once, as before.
 
+A stop raised at once can still be lost: a library running when it lands may swallow it (numpy's
+``Generator.choice`` of a list clears it). Long loops call `stop_point` where their next piece of work begins,
+which raises again a stop raised earlier that never got out.
+
     with whole():              # e.g. around Stream.push: a signal here waits for the push to end
         stream.step(...)
 
@@ -77,6 +81,7 @@ def notes_kept(error: BaseException | None) -> list[str]:
 
 _depth = 0  # whole regions the main thread is inside
 _pending: int | None = None  # a signal received inside one, raised when the outermost ends
+_raised: int | None = None  # the stop last raised outside every region, by a command's handlers (see stop_point)
 
 
 def _stop(number: int) -> KeyboardInterrupt:
@@ -86,7 +91,7 @@ def _stop(number: int) -> KeyboardInterrupt:
 def request_stop(number: int, frame: object = None) -> None:
     """The handler of a stopping signal: raise the stop now, or, inside a `whole` region, when it ends. After a
     first SIGTERM or SIGHUP the others are ignored, so a second one cannot cut short the work the first keeps."""
-    global _pending
+    global _pending, _raised
     if number in STOPPING_SIGNALS:
         for other in STOPPING_SIGNALS:
             signal.signal(other, signal.SIG_IGN)
@@ -94,7 +99,20 @@ def request_stop(number: int, frame: object = None) -> None:
         if _pending is None or _pending == signal.SIGINT:
             _pending = number
         return
+    if _raised is None or _raised == signal.SIGINT:
+        _raised = number
     raise _stop(number)
+
+
+def stop_point() -> None:
+    """Raise, in the main thread, a stop a command's handler raised earlier that never got out (a library
+    swallowed it): a long loop calls this where its next piece of work begins. Once a command is stopped its loops
+    are done, so a stop that did get out is never raised twice: the mark lasts until `signals_stop_like_ctrl_c`
+    ends."""
+    global _raised
+    if _raised is not None and threading.current_thread() is threading.main_thread():
+        number, _raised = _raised, None
+        raise _stop(number)
 
 
 @contextlib.contextmanager
@@ -176,9 +194,12 @@ def signals_stop_like_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _raised
+    _raised = None
     previous = {number: signal.signal(number, request_stop) for number in handled_signals()}
     try:
         yield
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        _raised = None

@@ -910,3 +910,29 @@ def test_a_ctrl_c_pressed_again_as_a_stopped_command_ends_cuts_no_teardown(tmp_p
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 130, done.stderr
     assert "statekv synthetic: interrupted" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_ctrl_c_numpy_swallows_while_a_make_plans_a_video_still_stops_it(tmp_path, monkeypatch, capsys):
+    """Before: numpy's ``Generator.choice`` of a list clears a KeyboardInterrupt raised while it runs; a Ctrl-C
+    landing there while a video was planned was lost, and the make went on (about half the Ctrl-Cs sent)."""
+    import contextlib
+    import signal
+
+    import statekv.synthetic.benchmark as benchmark
+
+    planned = benchmark.plan_video
+    sent = []
+
+    def plan_video(rng, frames):
+        if not sent:  # the first video's planning takes the Ctrl-C and swallows it, as numpy does
+            sent.append(True)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        return planned(rng, frames)
+
+    monkeypatch.setattr(benchmark, "plan_video", plan_video)
+    out = tmp_path / "set"
+    assert main(["synthetic", "make", "--out", str(out), "--videos", "3", "--seed", "1", "--frames", "40"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("statekv synthetic: interrupted; 0 of 3 videos written"), said
+    assert sent and not list((out / "videos").glob("*.mp4"))

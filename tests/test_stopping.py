@@ -134,3 +134,37 @@ def test_another_handlers_error_as_a_region_ends_leaves_it_uncounted_and_the_sto
         assert isinstance(raised.value.__cause__, TimeoutError)  # the error is kept, not hidden
     assert open_regions() == 0 and pending_stop() is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def swallowing(number: int) -> None:
+    """Send ``number`` to this process and swallow the stop it raises, as numpy's ``Generator.choice`` of a list
+    does with a Ctrl-C landing in it."""
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.raise_signal(number)
+        signal.raise_signal(number)  # not reached: the handler raised at the first
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_a_library_swallowed_is_raised_at_the_next_stop_point_once(pythons_ctrl_c, number):
+    """Before: a Ctrl-C that landed in numpy while `statekv synthetic make` planned a video was lost, and the make
+    went on writing videos (about half the Ctrl-Cs sent)."""
+    with pytest.raises(KeyboardInterrupt) as raised, stopping.signals_stop_like_ctrl_c():
+        swallowing(number)
+        stopping.stop_point()
+        pytest.fail("the swallowed stop was not raised")
+    assert isinstance(raised.value, Stopped) == (number != signal.SIGINT)
+    stopping.stop_point()  # raised once; and a stop point outside a command raises nothing
+
+
+def test_a_stop_point_raises_nothing_once_the_command_that_was_stopped_has_ended(pythons_ctrl_c):
+    with pytest.raises(KeyboardInterrupt), stopping.signals_stop_like_ctrl_c():
+        signal.raise_signal(signal.SIGINT)
+    with stopping.signals_stop_like_ctrl_c():
+        stopping.stop_point()  # the next command (`main` called again in one process) starts unstopped
+
+
+def test_a_sigterm_swallowed_after_a_ctrl_c_was_is_the_stop_raised(pythons_ctrl_c):
+    with pytest.raises(Stopped), stopping.signals_stop_like_ctrl_c():
+        swallowing(signal.SIGINT)
+        swallowing(signal.SIGTERM)
+        stopping.stop_point()

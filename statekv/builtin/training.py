@@ -61,7 +61,7 @@ from ..console import one_line
 from ..flushing import flush_file, write_whole
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
-from ..stopping import whole
+from ..stopping import stop_point, whole
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
@@ -220,6 +220,7 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
             for group in optimizer.param_groups:
                 group["lr"] = recipe.learning_rate_at(step)
             loss, parts, answers = _step_loss(recipe, model, bank, maker, step, lean_tokens)
+            stop_point()  # the batch is drawn with numpy, which can swallow a Ctrl-C
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)

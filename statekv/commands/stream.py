@@ -20,7 +20,7 @@ from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import LARGEST_INT, POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, shown
-from ..stopping import note_kept, whole
+from ..stopping import note_kept, stop_point, whole
 
 
 CLOCK = re.compile(r"(?:(\d+):)?(\d+):(\d\d(?:\.\d*)?):(.*)", re.DOTALL)  # [H:]M:SS:QUESTION
@@ -311,6 +311,7 @@ class _Replay:
                     break
                 stream.push(frame)
                 report(stream.frames, planned)
+                stop_point()  # a Ctrl-C a library swallowed while the frame was decoded
             else:
                 self.warn_cut_short(stream.last_timestamp, video)
             stream.flush()

@@ -57,7 +57,7 @@ from statekv.builtin import resolve_model
 from statekv.settings.options import ModelOptions, is_builtin
 from statekv.settings.values import check_int, check_output_dir
 from statekv.synthetic.benchmark import reading_lock
-from statekv.stopping import note_kept
+from statekv.stopping import note_kept, stop_point
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +372,7 @@ def answer_questions(config: EvalConfig, qa, questions: Sequence[Question], *, a
                     out.write(_record(config, answer))
                     answered += 1
                     bar.update(1)
+                    stop_point()  # a Ctrl-C a library swallowed
             except VideoError as error:  # the data's fault, not the model's: note it and go on
                 log_video_error(config.out, context.rank, video, error, answered)
                 bar.update(len(video.questions) - answered)

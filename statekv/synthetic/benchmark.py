@@ -33,7 +33,7 @@ from ..errors import ConfigurationError, InputError, OutputError, StateKVError
 from ..flushing import flush_file, flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import check_output_dir
-from ..stopping import note_kept
+from ..stopping import note_kept, stop_point
 from .plans import MIN_FRAMES, VideoPlan, plan_video
 from .scenes import render
 from .seeds import EVALUATION_SEEDS, TRAINING_SEEDS, video_rng
@@ -168,6 +168,7 @@ def _write_set(out: Path, making: dict[str, Any], resumed: bool, overwrite: bool
             rows += streaming_rows(plan, rng, relative, first_id=len(rows))
         else:
             rows += [question_row(spec, video_id, relative, num_frames) for spec in ask_all(plan, rng, families)]
+        stop_point()  # planning draws with numpy, which can swallow a Ctrl-C
         if not (out / relative).is_file():  # one there was renamed whole by a make that was stopped
             partial = out / VIDEO_DIR / f"{video_id}.partial.mp4"
             flush_file(write_video(plan, partial))
