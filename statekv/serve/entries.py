@@ -204,6 +204,7 @@ class DamagedStream:
     deleted: bool = False
     frames: int = 0
     state: str = "damaged"
+    setup: str | None = None  # the setup it was refused by (`OtherSetupError`): damaged for replicas of that one
 
     @property
     def name(self) -> str:
@@ -222,7 +223,7 @@ class DamagedStream:
     def note(self) -> dict[str, Any]:
         """What the state folder's quarantine keeps of it (`store.StreamFiles.write_note`)."""
         return {"id": self.id, "owner": self.owner, "reason": self.reason, "name": self.name, "created": self.created,
-                "at": int(time.time())}
+                "at": int(time.time()), **({"setup": self.setup} if self.setup is not None else {})}
 
 
 class Quarantined(InputError):

@@ -539,10 +539,12 @@ class StreamRegistry:
         """Bring back a disk-tier stream a stopped handover closed under the server (`StreamHealer.heal`)."""
         await self.healer.heal(entry)
 
-    def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
+    def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any],
+                   setup: str | None = None) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
-        shares it)."""
+        shares it; ``setup``: for those of that setup alone, its files being sound)."""
         damaged = self.loader.damaged(stream_id, owner, reason, record)
+        damaged.setup = setup
         log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id,
                   damaged.reason)
         self.damaged[stream_id] = damaged

@@ -12,6 +12,8 @@ either.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from collections import Counter
@@ -19,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import StateKVError
+from ...errors import OtherSetupError, StateKVError
 from ..entries import DamagedStream, StreamEntry, remove_tier
 from ..errors import ServiceError, StorageError, reason_of
 from ..loading import unreadable
@@ -197,8 +199,10 @@ class LeasedPlacement(Placement):
                     if record is not None and isinstance(error, Exception) and \
                             not isinstance(error, (ServiceError, StorageError)):  # the store failing is a 503
                         # noted under the lease, so every replica lists it as damaged
+                        # one of another setup is damaged for replicas of this setup alone: its files are sound
+                        setup = setup_of(registry) if isinstance(error, OtherSetupError) else None
                         damaged = await asyncio.to_thread(registry.quarantine, stream_id, record["owner"],
-                                                          reason_of(error), record)
+                                                          reason_of(error), record, setup)
                     await self._let_go(stream_id)
                     if damaged is not None:
                         registry.check_damaged(damaged.owner, stream_id)  # its 409
@@ -257,6 +261,8 @@ class LeasedPlacement(Placement):
             for stream_id, record, note, holder in self.files.listing():
                 if stream_id in registry.entries:
                     continue
+                if not self._applies(registry, note):
+                    note = None
                 if note is not None or isinstance(record, Exception):
                     damaged[stream_id] = self._damaged(registry, stream_id, record, note)
                 else:
@@ -276,6 +282,7 @@ class LeasedPlacement(Placement):
         note), or its record unreadable."""
         def look() -> DamagedStream | None:
             note = self.files.read_note(stream_id)
+            note = note if self._applies(registry, note) else None
             try:
                 record = self.files.record_or_error(stream_id)
             except FileNotFoundError:
@@ -288,6 +295,12 @@ class LeasedPlacement(Placement):
             registry.damaged.pop(stream_id, None)
         else:
             registry.damaged[stream_id] = damaged
+
+    @staticmethod
+    def _applies(registry: StreamRegistry, note: dict[str, Any] | None) -> bool:
+        """Whether a quarantine note holds for this replica: one written because the stream was saved with another
+        setup than its replica's (`OtherSetupError`) holds only for replicas of that setup."""
+        return note is not None and note.get("setup") in (None, setup_of(registry))
 
     def _damaged(self, registry: StreamRegistry, stream_id: str, record: Any,
                  note: dict[str, Any] | None) -> DamagedStream:
@@ -458,6 +471,12 @@ def _saved_and_moved(registry: StreamRegistry, entry: StreamEntry) -> None:
     if entry.stream.pushed:  # nothing pushed: nothing to save
         registry.save_now(entry)
     entry.retire(moved=True)
+
+
+def setup_of(registry: StreamRegistry) -> str:
+    """A digest of the model and settings the replica's streams are loaded with (not its own --offload-dir)."""
+    options = {name: value for name, value in registry.settings.qa.options.to_dict().items() if name != "offload_dir"}
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def SharedRegistry(config: Any, qa: Any, worker: Any, files: SharedStreamFiles) -> StreamRegistry:  # noqa: N802

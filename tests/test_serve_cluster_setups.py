@@ -1,0 +1,70 @@
+"""`statekv serve --ray`'s replicas (without a Ray cluster, as tests/test_serve_cluster.py runs them) started with
+another setup than their streams were saved with: what they note in the shared state holds for that setup alone."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve", reason="statekv[ray] is part of .[test]")
+
+from PIL import Image  # noqa: E402
+
+import statekv  # noqa: E402
+from statekv.serve.config import ServeConfig  # noqa: E402
+
+from conftest import random_frames  # noqa: E402
+
+SIZE = (48, 64)  # the frames a client sends: height, width
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin", budget=64)
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_start_with_another_setup_lists_a_stream_damaged_for_that_run_alone(tmp_path, qa, monkeypatch):
+    """Before: replicas started with another model, dtype or layout (a mistyped flag) noted every stream asked for as
+    damaged in the shared state, and replicas started again with the right flags still listed each as damaged, with
+    the other run's reason, until it was asked for by its id; the note was never the files' (they are sound)."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster import shared
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    monkeypatch.setattr(shared, "LIST_SECONDS", 0.0)  # each list read afresh (a replica reuses one for 2 s)
+    headers = {"Authorization": "Bearer key"}
+
+    def replica(options, name):
+        options = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier" / name))
+        config = ServeConfig(options=options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                             save_every_seconds=600)
+        return TestClient(create_app(config, qa=statekv.VideoQA.from_options(options),
+                                     hosting=ReplicaHosting(config, name, lease_seconds=60)))
+
+    with replica(qa.options, "first") as first:
+        stream_id = first.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
+        first.post(f"/v1/streams/{stream_id}/frames?t=0", content=_png(random_frames(1, 31, *SIZE)[0]),
+                   headers={**headers, "Content-Type": "image/png"}).raise_for_status()
+    other = qa.options.with_changes(dtype="bfloat16")
+    with replica(other, "second") as second, replica(other, "third") as third:
+        refused = second.get(f"/v1/streams/{stream_id}", headers=headers)
+        assert refused.status_code == 409 and "saved with dtype" in refused.json()["error"]["message"], refused.text
+        for client in (second, third):  # every replica of that run lists it as damaged
+            listed = client.get("/v1/streams", headers=headers).json()["data"]
+            assert [stream["state"] for stream in listed] == ["damaged"], listed
+    assert (tmp_path / "state" / "streams" / f"{stream_id}.safetensors").exists()  # nothing moved
+    with replica(qa.options, "fourth") as fourth:
+        listed = fourth.get("/v1/streams", headers=headers).json()["data"]
+        assert [(stream["id"], stream["state"], stream["frames"]) for stream in listed] == [(stream_id, "ready", 1)]
+        assert fourth.get(f"/v1/streams/{stream_id}", headers=headers).json()["frames"] == 1
+    assert not list((tmp_path / "state").glob("quarantine/*"))
