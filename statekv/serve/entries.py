@@ -56,6 +56,8 @@ class StreamEntry:
     feed: Feed | None = None
     pushing: int = 0  # pushes queued and not yet answered: a feed waits for them, its frames placed after theirs
     last_frame: Any = None  # the last kept frame (RGB uint8 [H, W, 3]), for the page
+    last_frame_at: dict[str, Any] | None = None  # where it is: ``index`` (1-based among the kept frames, so above
+    # ``frames`` while it waits to be encoded), ``pushed`` (the pushes then) and ``seconds``
     updated: float | None = None  # when a frame last arrived (unix time)
     used: float = field(default_factory=time.monotonic)  # when a request last found it (monotonic)
     deleted: bool = False

@@ -465,11 +465,13 @@ class StreamPage:
         info = entry.describe()
         self.show("state", info["state"], lambda state: self.state_badge.set_text(state))
         seconds = "no frame yet" if info["seconds"] is None else f"stream time {info['seconds']:.1f} s"
-        self.show("stats", (f"{info['frames']} frames · {seconds} · {info['tokens']} tokens seen · carried state "
-                            f"{info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
+        waiting = f" (and {info['pending']} waiting to be encoded)" if info["pending"] else ""
+        self.show("stats", (f"{info['frames']} frames{waiting} · {seconds} · {info['tokens']} tokens seen · carried "
+                            f"state {info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
                   self.stats.set_text)
         self.show_feed(info["feed"], entry.feed.skip if entry.feed is not None else 0)
-        self.show("frame", info["frames"], lambda _: self.show_frame(entry, info))
+        at = entry.last_frame_at
+        self.show("frame", (info["frames"], at and at["pushed"]), lambda _: self.show_frame(entry, info))
         self.show("chart", len(entry.history) and entry.history[-1]["tokens"], lambda _: self.show_chart(entry))
         self.show("answers", (len(entry.answers), id(entry.answers[-1]) if entry.answers else 0),
                   lambda _: self.show_answers(entry))
@@ -516,8 +518,14 @@ class StreamPage:
                                         f"{info['frames']} frames held; the next one pushed shows here")
             return
         self.frame.set_source(jpeg_data_url(image))
-        when = "" if info["seconds"] is None else f" at {info['seconds']:.1f} s"
-        self.frame_caption.set_text(f"frame {info['frames']}{when}")
+        at = entry.last_frame_at
+        if at is None:  # a record written before frames' places were kept
+            when = "" if info["seconds"] is None else f" at {info['seconds']:.1f} s"
+            self.frame_caption.set_text(f"frame {info['frames']}{when}")
+            return
+        when = "" if at["seconds"] is None else f" at {at['seconds']:.1f} s"
+        waits = ", waiting to be encoded" if at["index"] > info["frames"] else ""
+        self.frame_caption.set_text(f"frame {at['index']}{when}{waits}")
 
     def show_chart(self, entry) -> None:
         points = entry.history[-CHART_POINTS:]

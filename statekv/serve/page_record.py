@@ -27,26 +27,30 @@ def page_fields(entry: Any) -> dict[str, Any]:
     feed = entry.feed
     kept = feed is not None and not feed.resumable and (feed.running or feed.error)
     return {"history": entry.history[-HISTORY:], "last_frame": _jpeg(entry.last_frame),
-            "feed": feed.recorded() if kept else None}
+            "last_frame_at": getattr(entry, "last_frame_at", None), "feed": feed.recorded() if kept else None}
 
 
 def recall_page(entry: Any, record: dict[str, Any]) -> None:
     """Give ``entry`` the history and last frame its ``record`` kept (what cannot be read is left out, logged),
     but for the points of frames its stream came back without: a record is also written between two saves (an
     answer, a watch), so after a kill it may be ahead of the save the stream resumed from, and then the last frame
-    it shows is one of those lost."""
+    it shows is one of those lost (one that waited to be encoded, a Qwen3-VL frame without its partner, adds no
+    point: its ``last_frame_at`` tells)."""
     history = record.get("history")
     points = [point for point in history if _point(point)] if isinstance(history, list) else []
     held = [point for point in points if point["frames"] <= entry.stream.frames]
     if isinstance(history, list):
         entry.history = held[-HISTORY:]
     _recall_feed(entry, record.get("feed"))
-    frame = record.get("last_frame")
+    frame, at = record.get("last_frame"), _frame_at(record.get("last_frame_at"))
+    if at is not None and at["pushed"] > entry.stream.pushed:
+        return
     if isinstance(frame, str) and len(held) == len(points):
         try:
             from PIL import Image
 
             entry.last_frame = np.asarray(Image.open(io.BytesIO(base64.b64decode(frame, validate=True))).convert("RGB"))
+            entry.last_frame_at = at
         except Exception as error:  # noqa: BLE001 -- a picture that cannot be read is only a picture not shown
             log.error("stream %s: its record's last frame cannot be read (%s)", entry.id, error)
 
@@ -71,6 +75,14 @@ def _recall_feed(entry: Any, feed: Any) -> None:
                           error=error, resumable=False, skip=skip or 0, held_before=held_before, size=counts["size"],
                           stopped=feed.get("stopped") is True and feed.get("running") is not True,
                           counted=feed.get("running") is not True)
+
+
+def _frame_at(at: Any) -> dict[str, Any] | None:
+    """A record's ``last_frame_at`` (`StreamEntry.last_frame_at`), or None where it is missing or cannot be read."""
+    if not isinstance(at, dict) or not all(type(at.get(name)) is int and at[name] >= 1 for name in ("index", "pushed")):
+        return None
+    seconds = at.get("seconds")
+    return {"index": at["index"], "pushed": at["pushed"], "seconds": seconds if is_finite_number(seconds) else None}
 
 
 def _point(point: Any) -> bool:

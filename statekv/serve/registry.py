@@ -323,6 +323,8 @@ class StreamRegistry:
         if kept:
             stats = entry.stream.stats
             entry.last_frame = image
+            entry.last_frame_at = {"index": entry.stream.frames + len(entry.stream.pending),
+                                   "pushed": entry.stream.pushed, "seconds": entry.last_seconds}
             entry.history.append({"seconds": entry.last_seconds, "frames": entry.stream.frames,
                                   "tokens": entry.stream.tokens, "carried": stats.carried_tokens,
                                   "cache_bytes": stats.cache_bytes})
