@@ -69,16 +69,17 @@ def _text_becomes(page, selector: str, expected: str) -> str:
     return page.inner_text(selector)
 
 
-def test_the_frame_shown_is_named_by_its_own_place_and_time_and_a_lost_one_is_not_shown(qwen_server, chromium):
+def test_the_frame_shown_is_named_by_its_own_place_and_time_and_after_a_kill_the_page_says_what_was_lost(qwen_server, chromium):
     """Three frames pushed at 0, 1 and 2 s: the third waits for its partner. Before: the page said "2 frames" only
     (the API: pending 1) and captioned the third frame "frame 2 at 2.0 s" (the frames encoded, with the time of the
-    last push, even a dropped one); after a kill, whose save held two frames, it still showed the third frame, lost,
-    as "frame 2 at 1.0 s"."""
+    last push, even a dropped one), and after a kill it still showed the record's last frame, one the stream came
+    back without, and said nothing of what was lost (the API's ``lost``)."""
     with qwen_server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1.0}).json()["id"]
         for t in (0.0, 1.0, 2.0):
             _push(client, stream_id, t)
         page = _open(chromium, qwen_server, stream_id)
+        assert not page.is_visible(".statekv-lost")
         assert _text_becomes(page, ".statekv-frame-caption", "frame 3 at 2.0 s, waiting to be encoded") == \
             "frame 3 at 2.0 s, waiting to be encoded"
         assert page.inner_text(".statekv-stats").startswith("2 frames (and 1 waiting to be encoded) · ")
@@ -98,5 +99,9 @@ def test_the_frame_shown_is_named_by_its_own_place_and_time_and_a_lost_one_is_no
     assert info["lost"] and info["pushed"] < 6, info
     page = _open(chromium, qwen_server, stream_id)
     assert page.inner_text(".statekv-frame-caption") == f"{info['frames']} frames held; the next one pushed shows here"
+    assert page.inner_text(".statekv-lost") == (  # before: the page said nothing of it
+        f"The server stopped before saving its last frames: this stream came back without {info['lost']['pushed']} "
+        f"pushed ({info['lost']['frames']} encoded). The next frame to push is index {info['resume_from']}, after "
+        f"{info['resume_after_seconds']:.1f} s.")
     assert page.evaluate("() => [...document.querySelectorAll('.statekv-frame img')].map(i => i.src)"
                          ".filter(src => src.startsWith('data:')).length") == 0

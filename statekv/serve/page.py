@@ -32,7 +32,7 @@ from fastapi import FastAPI
 
 from ..errors import StateKVError
 from .errors import ServiceError
-from .page_parts import PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, jpeg_data_url, js_literal, read_text
+from .page_parts import PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, jpeg_data_url, js_literal, lost_text, read_text
 from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_height, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
@@ -149,6 +149,7 @@ class StreamPage:
                 self.frame_caption = ui.label("no frame yet").classes("text-caption text-grey-7 statekv-frame-caption")
             with ui.column().classes("grow gap-2 min-w-0"):
                 self.stats = ui.label("").classes("text-body2 statekv-stats")
+                self.lost = ui.label("").classes("text-body2 text-warning statekv-lost")
                 self.progress_box = ui.column().classes("w-full gap-1")
                 with self.progress_box:
                     self.progress_label = ui.label("").classes("text-body2 statekv-progress")
@@ -469,6 +470,8 @@ class StreamPage:
         self.show("stats", (f"{info['frames']} frames{waiting} · {seconds} · {info['tokens']} tokens seen · carried "
                             f"state {info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
                   self.stats.set_text)
+        self.show("lost", info["lost"], lambda lost: (self.lost.set_text(lost_text(lost, info)),
+                                                      self.lost.set_visibility(bool(lost))))
         self.show_feed(info["feed"], entry.feed.skip if entry.feed is not None else 0)
         at = entry.last_frame_at
         self.show("frame", (info["frames"], at and at["pushed"]), lambda _: self.show_frame(entry, info))

@@ -182,6 +182,19 @@ def read_text(answer: dict) -> str:
     return f"read {count} frame{'s' * (count != 1)}: {shown}"
 
 
+def lost_text(lost: dict | None, info: dict) -> str:
+    """What a start brought a stream back without (``lost`` of its ``info``, `entries.lost_at_start`), for its panel."""
+    if not lost:
+        return ""
+    answers = lost.get("answers") or 0
+    over = f"; {answers} of its answers below were given over frames it no longer holds" if answers else ""
+    after = info.get("resume_after_seconds")
+    when = "" if after is None else f", after {after:.1f} s"
+    return (f"The server stopped before saving its last frames: this stream came back without {lost['pushed']} "
+            f"pushed ({lost['frames']} encoded){over}. The next frame to push is index {info.get('resume_from')}"
+            f"{when}.")
+
+
 def js_literal(text: str | None) -> str:
     """A Python string as a JavaScript literal."""
     return "null" if text is None else json.dumps(text)
