@@ -69,7 +69,8 @@ def _text_becomes(page, selector: str, expected: str) -> str:
     return page.inner_text(selector)
 
 
-def test_the_frame_shown_is_named_by_its_own_place_and_time_and_after_a_kill_the_page_says_what_was_lost(qwen_server, chromium):
+def test_the_frame_shown_is_named_by_its_place_and_time_and_after_a_kill_the_page_says_what_was_lost(qwen_server,
+                                                                                                      chromium):
     """Three frames pushed at 0, 1 and 2 s: the third waits for its partner. Before: the page said "2 frames" only
     (the API: pending 1) and captioned the third frame "frame 2 at 2.0 s" (the frames encoded, with the time of the
     last push, even a dropped one), and after a kill it still showed the record's last frame, one the stream came
