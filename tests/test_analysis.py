@@ -571,3 +571,29 @@ def test_analyze_stopped_while_drawing_its_figures_keeps_a_report_naming_none(ti
     assert json.loads((out / "analysis.json").read_text())["figures"] == []
     assert ".png" not in (out / "analysis.md").read_text()
     assert sorted(path.name for path in out.iterdir()) == ["analysis.json", "analysis.md"]
+
+
+def test_analyze_stopped_while_a_figure_is_drawn_ends_as_stopped_even_when_matplotlib_swallows_it(
+        tiny_video_model, tmp_path, capsys, monkeypatch):
+    """Before: matplotlib can clear a Ctrl-C raised while it draws (1 savefig in 12), and analyze wrote every figure
+    and exited 0; now the figure's end raises it: exit 130, the report without figures."""
+    import os, signal  # noqa: E401
+    from matplotlib.figure import Figure
+    checkpoint, video = tiny_video_model
+    out, savefig = tmp_path / "report", Figure.savefig
+
+    def swallowing(self, *args, **kwargs):  # a Ctrl-C lands while matplotlib draws, and matplotlib clears it
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the handler runs at a call or backward jump
+        except KeyboardInterrupt:
+            pass
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", swallowing)
+    argv = ["analyze", "--model", str(checkpoint), str(video), "--frames", "4", "--max-fps", "4", "--budgets", "1",
+            "--recency", "1", "--no-errors", "--out", str(out)]
+    assert run_cli(argv) == 130
+    assert "statekv analyze: interrupted" in capsys.readouterr().err
+    assert json.loads((out / "analysis.json").read_text())["figures"] == []
+    assert not list(out.glob("*.png"))

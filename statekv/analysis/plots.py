@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from statekv.plotting import pyplot, save_figure
+from statekv.stopping import stop_point
 
 TRANSITION_LABELS = {"recall": "recall", "weighted_recall": "weighted recall", "retention": "retention",
                      "churn": "churn"}
@@ -14,9 +15,11 @@ TRANSITION_LABELS = {"recall": "recall", "weighted_recall": "weighted recall", "
 def _save(fig, path: str | Path) -> Path:
     fig.tight_layout()
     try:
-        return save_figure(fig, path, dpi=120)
+        saved = save_figure(fig, path, dpi=120)
     finally:
         pyplot().close(fig)
+    stop_point()  # matplotlib can swallow a Ctrl-C while it draws
+    return saved
 
 
 def _layer_colors(plt, layers: int):
