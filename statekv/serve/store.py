@@ -300,9 +300,19 @@ class StreamFiles:
             if not STREAM_ID.match(path.stem):  # not a stream's: its name would reach other streams' files
                 log.warning("%s in the state folder names no stream; left as it is", path.name[:120])
                 continue
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            try:
                 note = json.loads(path.read_text())
-                found.append({"id": path.stem, "tier": note["tier"] if isinstance(note.get("tier"), str) else None})
+                why = None if isinstance(note, dict) else f"a {type(note).__name__}, not an object"
+            except FileNotFoundError:  # finished meanwhile
+                continue
+            except (OSError, ValueError, RecursionError) as error:
+                note, why = None, _reason(error)
+            if why is not None:  # its name alone says the deletion was begun: finished, as any other
+                log.warning("%s in the state folder cannot be read (%s): the deletion it notes is finished without "
+                            "the disk-tier folder it would name (if the stream had one, remove it by hand)",
+                            path.name, why)
+            tier = note.get("tier") if isinstance(note, dict) else None
+            found.append({"id": path.stem, "tier": tier if isinstance(tier, str) else None})
         return found
 
     def finish_removals(self, offload_dir: str | os.PathLike | None) -> None:

@@ -1,0 +1,39 @@
+"""`statekv serve --state-dir` reading what earlier statekv versions and crashed or hand-edited processes left in
+its state folder: each record is read as an older version's, or its stream is quarantined in one line naming the
+file, never a traceback, never a server that does not start, never a sound stream lost with it.
+
+Each server runs in this process (`test_hostile_service.Running`, the built-in model). Each case says what the
+service did before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+pytest.importorskip("fastapi")
+
+from test_hostile_service import Running, _png, _stream  # noqa: E402
+from test_hostile_service import options, qa  # noqa: E402,F401 -- the module's fixtures
+
+
+@pytest.mark.parametrize("note", ["[1, 2]", '"st_x"', "{not json", ""], ids=["a list", "a string", "cut", "empty"])
+def test_a_deletion_note_that_cannot_be_read_finishes_its_deletion_and_the_server_starts(qa, tmp_path, caplog,
+                                                                                         note):
+    """Before: a ``streams/ID.deleting`` that was JSON but not an object kept the server from starting (an
+    AttributeError at start); one that was not JSON hid its stream for good, its files never removed, nothing
+    said."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        kept, deleted = _stream(client, frames=1), _stream(client, frames=1, seed=10)
+    (state / "streams" / f"{deleted}.deleting").write_text(note)
+    with caplog.at_level(logging.WARNING, logger="statekv.serve"):
+        with Running(state, qa) as server, server.client() as client:
+            assert [entry["id"] for entry in client.get("/v1/streams").json()["data"]] == [kept]
+            assert client.get(f"/v1/streams/{deleted}").status_code == 404
+    assert not list((state / "streams").glob(f"{deleted}.*"))  # its deletion finished: nothing of it is left
+    said = [r.getMessage() for r in caplog.records if f"{deleted}.deleting" in r.getMessage()]
+    assert len(said) == 1 and "cannot be read" in said[0] and "\n" not in said[0], said
