@@ -37,3 +37,24 @@ def test_a_deletion_note_that_cannot_be_read_finishes_its_deletion_and_the_serve
     assert not list((state / "streams").glob(f"{deleted}.*"))  # its deletion finished: nothing of it is left
     said = [r.getMessage() for r in caplog.records if f"{deleted}.deleting" in r.getMessage()]
     assert len(said) == 1 and "cannot be read" in said[0] and "\n" not in said[0], said
+
+
+@pytest.mark.parametrize("seconds", ["1", [1.0], True, -5.0, {"t": 1}], ids=["text", "a list", "true", "negative",
+                                                                           "an object"])
+def test_a_record_whose_saved_time_is_no_stream_time_resumes_on_its_saves_clock(qa, tmp_path, seconds):
+    """Before: the record's ``saved.seconds``, whatever it held, became the stream's time: its info showed it as
+    ``seconds`` and ``resume_after_seconds``, and a push without ``t`` (timed after it) failed with a 500 and a
+    traceback (a text or a list) or was timed from a negative time."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)  # at 0 s and 1 s
+    path = state / "streams" / f"{stream_id}.json"
+    record = json.loads(path.read_text())
+    record["saved"]["seconds"] = seconds
+    path.write_text(json.dumps(record))
+    with Running(state, qa) as server, server.client() as client:
+        info = client.get(f"/v1/streams/{stream_id}").json()
+        assert [repr(info[name]) for name in ("seconds", "resume_after_seconds")] == ["1.0", "1.0"], info
+        pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(5), headers={"Content-Type": "image/png"})
+        assert pushed.status_code == 200, pushed.text
+        assert pushed.json()["seconds"] == 2.0  # the next frame at the stream's rate (max_fps 1)

@@ -14,6 +14,7 @@ from typing import Any
 from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..errors import InputError, OtherSetupError, OutputError, StateKVError
+from ..settings.values import is_finite_number
 from .answer_notes import recalled
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_start
 from .errors import public_message, reason_of
@@ -66,7 +67,8 @@ class StreamLoader:
                 stream.close()
                 raise
             resumed_at = recorded.get("seconds") if recorded.get("pushed") == stream.pushed else None
-            if resumed_at is None:  # resumed elsewhere than its last save (a kill on the disk tier): its own clock
+            if not (is_finite_number(resumed_at) and resumed_at >= 0):  # resumed elsewhere than its last save (a
+                # kill on the disk tier), or a record's time that is no stream time: its own clock
                 resumed_at = getattr(stream, "last_timestamp", None)
             saved = {"pushed": stream.pushed, "frames": stream.frames, "seconds": resumed_at}
         else:
