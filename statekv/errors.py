@@ -28,6 +28,12 @@ class OtherSetupError(InputError):
     its files are sound, and load with the setup they were saved with."""
 
 
+class ForeignFilesError(InputError):
+    """A saved stream or disk-tier file set that is not the one asked for as it is: another stream's, another
+    owner's, its owner recorded by another installation, or in a format this statekv does not read (an earlier one
+    ``statekv reown`` binds anew). Its files are sound: nothing is wrong with them for the stream they are."""
+
+
 class UnsupportedModelError(StateKVError, ValueError):
     """The model cannot be used (unknown family, or attention that bypasses transformers' AttentionInterface)."""
 

@@ -58,3 +58,52 @@ def test_a_record_whose_saved_time_is_no_stream_time_resumes_on_its_saves_clock(
         pushed = client.post(f"/v1/streams/{stream_id}/frames", content=_png(5), headers={"Content-Type": "image/png"})
         assert pushed.status_code == 200, pushed.text
         assert pushed.json()["seconds"] == 2.0  # the next frame at the stream's rate (max_fps 1)
+
+
+def test_a_record_naming_another_streams_file_set_leaves_that_stream_served(qa, tmp_path, options):
+    """A copy of a disk-tier stream's record under another id (a restored backup, a duplicated file) names the same
+    file set. Before: the copy, loaded first, found the file set another stream's, moved it into the quarantine under
+    the copy's id, and the stream whose file set it was came back damaged ("not in --offload-dir")."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    copy_id = "st_" + "0" * 24  # listed, and loaded, before the stream
+    record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
+    (state / "streams" / f"{copy_id}.json").write_text(json.dumps({**record, "id": copy_id}))
+    file_sets = sorted(path.name for path in tier.iterdir())
+    for _ in range(2):
+        with Running(state, qa, options=disk) as server, server.client() as client:
+            info = client.get(f"/v1/streams/{stream_id}").json()
+            assert info["state"] == "ready" and info["frames"] == 2, info
+            (copy,) = [stream for stream in client.get("/v1/streams").json()["data"] if stream["id"] == copy_id]
+            assert copy["state"] == "damaged", copy
+            assert "another stream" in copy["damaged"] and "left where it is" in copy["damaged"], copy
+        assert sorted(path.name for path in tier.iterdir()) == file_sets and not list(state.glob("quarantine/*-*"))
+
+
+def test_a_file_set_whose_owner_another_installation_recorded_stays_where_reown_finds_it(qa, tmp_path, options,
+                                                                                        monkeypatch):
+    """docs/serving.md: a server with another installation secret lists its streams as damaged; re-owning the save
+    and the file set under --offload-dir serves them again. Before: the file set was moved into the quarantine, so
+    ``statekv reown`` found nothing under --offload-dir, and the stream stayed damaged after it."""
+    from statekv.cli import main
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "first.secret"))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "second.secret"))  # another machine's
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        listed = client.get("/v1/streams").json()["data"]
+        assert [stream["state"] for stream in listed] == ["damaged"], listed
+        assert "another statekv installation" in listed[0]["damaged"], listed
+        assert "left where it is" in listed[0]["damaged"], listed
+    assert not list(state.glob("quarantine/*-*"))
+    owner = json.loads((state / "streams" / f"{stream_id}.json").read_text())["owner"]
+    (file_set,) = [path for path in tier.iterdir() if path.is_dir()]
+    assert main(["reown", str(file_set), "--owner", owner]) == 0
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        info = client.get(f"/v1/streams/{stream_id}").json()
+        assert info["state"] == "ready" and info["frames"] == 2, info

@@ -11,7 +11,7 @@ import os
 import uuid
 from typing import Any
 
-from ..errors import ConfigurationError, InputError
+from ..errors import ConfigurationError, ForeignFilesError
 from ..user_cache import installation_secret, secret_path
 
 MAX_ID_CHARS = 200
@@ -77,23 +77,23 @@ def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id
     saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
     if stream_id is not None and saved_id != check_stream_id(stream_id):
         held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
-        raise InputError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
+        raise ForeignFilesError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
     if check_owner(owner) is None:
         if saved_owner is not None:
-            raise InputError(f"{path}: the stream belongs to an owner; give its owner to load it "
+            raise ForeignFilesError(f"{path}: the stream belongs to an owner; give its owner to load it "
                              f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
                              f"statekv reown {path}")
         return
     if saved_owner is None:
-        raise InputError(f"{path}: the stream belongs to no owner, not to the owner given")
+        raise ForeignFilesError(f"{path}: the stream belongs to no owner, not to the owner given")
     made_by, secret = recorded.get("installation"), installation_secret(create=False)
     reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
     if made_by is None:
-        raise InputError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
+        raise ForeignFilesError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
                          f"so it proves nothing; {reown}")
     if secret is None or made_by != installation_id(secret):
         here = "has none" if secret is None else "is another"
-        raise InputError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
+        raise ForeignFilesError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
                          f"{secret_path()}, {here}); {reown}")
     if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
-        raise InputError(f"{path}: the stream belongs to another owner, not to the owner given")
+        raise ForeignFilesError(f"{path}: the stream belongs to another owner, not to the owner given")

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..api.stream import Stream
 from ..core.disk.files import hold
-from ..errors import InputError, OtherSetupError, OutputError, StateKVError
+from ..errors import ForeignFilesError, InputError, OtherSetupError, OutputError, StateKVError
 from ..settings.values import is_finite_number
 from .answer_notes import recalled
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_start
@@ -164,6 +164,10 @@ class StreamLoader:
             why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
             raise Quarantined(f"its disk-tier file set {folder.name} was saved with another setup ({why}); left where "
                               "it is: start the server with the model and settings it was saved with") from None
+        except ForeignFilesError as error:  # sound files, another stream's (a copied record) or to be re-owned
+            why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
+            raise Quarantined(f"its disk-tier file set {folder.name} is not this stream's as it is ({why}); left "
+                              "where it is") from None
         except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
             if healing and isinstance(error, OutputError):
                 raise  # not damage: tried again once the folder can be written

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import InputError
+from ...errors import ForeignFilesError, InputError
 from ...flushing import write_whole
 from ...locks import FolderLock
 from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step
@@ -117,7 +117,7 @@ def read_description(folder: Path, file: str, form: str, version: int | tuple[in
         raise InputError(f"{folder}: not a {what}")
     versions = version if isinstance(version, tuple) else (version,)
     if described.get("version") not in versions:
-        raise InputError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads "
+        raise ForeignFilesError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads "
                          f"{' and '.join(map(str, versions))}")
     return read_checked(folder / file)
 
