@@ -107,3 +107,18 @@ def test_a_file_set_whose_owner_another_installation_recorded_stays_where_reown_
     with Running(state, qa, options=disk) as server, server.client() as client:
         info = client.get(f"/v1/streams/{stream_id}").json()
         assert info["state"] == "ready" and info["frames"] == 2, info
+
+
+def test_a_record_whose_save_is_missing_says_so_as_it_comes_back_empty(qa, tmp_path, caplog):
+    """Before: a stream whose record says frames were saved, but whose save is gone (removed by hand, a restore
+    that left it out), came back empty with a log line saying it was resumed from "nothing (it was never saved)"."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    (state / "streams" / f"{stream_id}.safetensors").unlink()
+    with caplog.at_level(logging.ERROR, logger="statekv.serve"):
+        with Running(state, qa) as server, server.client() as client:
+            info = client.get(f"/v1/streams/{stream_id}").json()
+            assert info["frames"] == 0 and info["lost"] == {"pushed": 2, "frames": 2, "answers": 0}, info
+    (said,) = [r.getMessage() for r in caplog.records if "came back without" in r.getMessage()]
+    assert "never saved" not in said and "its save, which its record says held 2 frames pushed, is missing" in said

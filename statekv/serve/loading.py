@@ -52,7 +52,11 @@ class StreamLoader:
         stream, saved = self.resume_tier(qa, data, ids, healing), {"pushed": 0, "frames": 0, "seconds": None}
         saved_watches = frozenset()  # those of a file set: the next save holds them
         from_save, tier_saved = False, stream is not None and data.get("tier_saved") is True
-        source = "its disk-tier file set" if stream is not None else "nothing (it was never saved)"
+        claimed = (data.get("saved") or {}).get("pushed")
+        source = ("its disk-tier file set" if stream is not None else
+                  f"nothing (its save, which its record says held {claimed} frames pushed, is missing from "
+                  f"{self.files.where})"
+                  if type(claimed) is int and claimed > 0 else "nothing (it was never saved)")
         if stream is None:
             with self.files.local_state(data["id"]) as state:
                 stream = None if state is None else Stream.load(state, qa, **ids)
