@@ -122,3 +122,18 @@ def test_a_record_whose_save_is_missing_says_so_as_it_comes_back_empty(qa, tmp_p
             assert info["frames"] == 0 and info["lost"] == {"pushed": 2, "frames": 2, "answers": 0}, info
     (said,) = [r.getMessage() for r in caplog.records if "came back without" in r.getMessage()]
     assert "never saved" not in said and "its save, which its record says held 2 frames pushed, is missing" in said
+
+
+def test_a_save_no_record_names_is_said_at_start_and_left_as_it_is(qa, tmp_path, caplog):
+    """Before: a save whose record was gone (removed by hand, a restore that left it out) was passed over in
+    silence: its stream was neither served nor listed, and nothing told anyone why."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        kept, unrecorded = _stream(client, frames=1), _stream(client, frames=1, seed=10)
+    (state / "streams" / f"{unrecorded}.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="statekv.serve"):
+        with Running(state, qa) as server, server.client() as client:
+            assert [entry["id"] for entry in client.get("/v1/streams").json()["data"]] == [kept]
+    (said,) = [r.getMessage() for r in caplog.records if unrecorded in r.getMessage()]
+    assert f"streams/{unrecorded}.safetensors" in said and "has no record" in said, said
+    assert (state / "streams" / f"{unrecorded}.safetensors").exists()

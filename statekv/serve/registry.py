@@ -512,6 +512,9 @@ class StreamRegistry:
                 self.quarantine(record["id"], record["owner"], reason_of(error), record)
                 continue
             self.entries[entry.id] = entry
+        for name in self.files.unrecorded_saves():
+            log.warning("streams/%s in the state folder has no record (streams/%s.json): it is not served, and left "
+                        "as it is", name, name.removesuffix(".safetensors"))
         return len(self.entries)
 
     def finish_removals(self) -> None:

@@ -243,6 +243,13 @@ class StreamFiles:
                 found.append((path.stem, self.record_or_error(path.stem)))
         return found
 
+    def unrecorded_saves(self) -> list[str]:
+        """The names of the saves in the folder that no record names (a record removed or lost by hand, a restore
+        that left it out): never served, left as they are."""
+        return [path.name for path in sorted(self.folder.glob("st_*.safetensors"))
+                if STREAM_ID.match(path.stem) and not self.record_path(path.stem).exists()
+                and not self.removal_path(path.stem).exists()]
+
     def record_or_error(self, stream_id: str) -> dict[str, Any] | Exception:
         """The stream's record, read, or the error that kept it from being read (`FileNotFoundError` raised when
         there is none, or the stream is being deleted)."""
