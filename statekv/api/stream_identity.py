@@ -81,19 +81,19 @@ def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id
     if check_owner(owner) is None:
         if saved_owner is not None:
             raise ForeignFilesError(f"{path}: the stream belongs to an owner; give its owner to load it "
-                             f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
-                             f"statekv reown {path}")
+                                    f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
+                                    f"statekv reown {path}")
         return
     if saved_owner is None:
         raise ForeignFilesError(f"{path}: the stream belongs to no owner, not to the owner given")
     made_by, secret = recorded.get("installation"), installation_secret(create=False)
     reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
     if made_by is None:
-        raise ForeignFilesError(f"{path}: its owner was recorded by an earlier statekv, without an installation's secret, "
-                         f"so it proves nothing; {reown}")
+        raise ForeignFilesError(f"{path}: its owner was recorded by an earlier statekv, without an installation's "
+                                f"secret, so it proves nothing; {reown}")
     if secret is None or made_by != installation_id(secret):
         here = "has none" if secret is None else "is another"
-        raise ForeignFilesError(f"{path}: its owner was recorded by another statekv installation (this one's secret, "
-                         f"{secret_path()}, {here}); {reown}")
+        raise ForeignFilesError(f"{path}: its owner was recorded by another statekv installation (this one's "
+                                f"secret, {secret_path()}, {here}); {reown}")
     if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
         raise ForeignFilesError(f"{path}: the stream belongs to another owner, not to the owner given")

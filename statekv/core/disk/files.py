@@ -118,7 +118,7 @@ def read_description(folder: Path, file: str, form: str, version: int | tuple[in
     versions = version if isinstance(version, tuple) else (version,)
     if described.get("version") not in versions:
         raise ForeignFilesError(f"{folder}: {what} format {described.get('version')!r}; this statekv reads "
-                         f"{' and '.join(map(str, versions))}")
+                                f"{' and '.join(map(str, versions))}")
     return read_checked(folder / file)
 
 
