@@ -34,6 +34,7 @@ from PIL import Image  # noqa: E402
 
 import statekv  # noqa: E402
 from statekv import ModelOptions  # noqa: E402
+from statekv.core.disk.files import hold  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
 from statekv.serve.sse import TokenStreamer  # noqa: E402
 from statekv.synthetic.benchmark import make_benchmark  # noqa: E402
@@ -1387,6 +1388,31 @@ def test_a_start_with_another_setup_leaves_disk_tier_file_sets_where_they_are_fo
     with Running(state, qa, options=disk) as server, server.client() as client:
         info = client.get(f"/v1/streams/{stream_id}").json()
         assert info["state"] == "ready" and info["frames"] == 2, info
+
+
+def test_a_stream_deleted_by_a_start_with_another_setup_takes_its_file_set_with_it(qa, tmp_path, options):
+    """Before: a start with another setup listed the stream as damaged, its file set left in --offload-dir, and a
+    DELETE there answered 200 and removed its record alone: the file set, every frame of it, stayed in
+    --offload-dir for good, no start removing it, no log line naming it."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    assert [path for path in tier.iterdir() if path.is_dir()]
+    other = disk.with_changes(dtype="bfloat16")
+    with Running(state, statekv.VideoQA.from_options(other), options=other) as server, server.client() as client:
+        assert client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
+        file_set = next(path for path in tier.iterdir() if path.is_dir())
+        held = hold(file_set, "another process")  # while it is held, nothing is deleted
+        try:
+            assert "nothing was deleted" in _error(client.delete(f"/v1/streams/{stream_id}"), 409)
+        finally:
+            held.release()
+        assert file_set.is_dir() and client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
+        assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+        assert client.get("/v1/streams").json()["data"] == []
+    assert not [path for path in tier.iterdir() if path.is_dir()]
+    assert not list((state / "streams").iterdir())
 
 
 def test_a_disk_tier_stream_whose_file_set_is_in_the_quarantine_or_elsewhere_is_deleted_and_says_so(qa, tmp_path,

@@ -7,8 +7,12 @@ before a request about it, checking it is still this server's, listing, and what
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.disk.files import hold
+from ..errors import InputError
 from .errors import ServiceError
 
 if TYPE_CHECKING:
@@ -65,11 +69,22 @@ class Placement:
     async def look_for_damage(self, registry: StreamRegistry, stream_id: str) -> None:
         """Bring ``registry.damaged`` up to date for one stream (alone: it knows them all already)."""
 
-    async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
-        """Remove every file of a stream that is not held (a damaged one): whole, or refused (503) with nothing
+    async def remove_files(self, registry: StreamRegistry, stream_id: str, tier: Path | None = None) -> None:
+        """Remove every file of a stream that is not held (a damaged one), with ``tier``, its disk-tier file set
+        left in --offload-dir: whole, or refused (409: another process holds that file set; 503) with nothing
         removed."""
-        await registry.begin_removal(stream_id, None)
-        await asyncio.to_thread(registry.files.remove, stream_id)
+        try:
+            lock = None if tier is None else hold(tier, None)
+        except InputError as error:
+            raise ServiceError(409, f"cannot delete stream {stream_id}: {error}; nothing was deleted") from None
+        try:
+            await registry.begin_removal(stream_id, tier)  # a kill from here on: the next start finishes it
+            if tier is not None:
+                await asyncio.to_thread(shutil.rmtree, tier, True)
+            await asyncio.to_thread(registry.files.remove, stream_id)
+        finally:
+            if lock is not None:
+                lock.release()
 
     async def rebalance(self, registry: StreamRegistry, loads: dict[str, int]) -> None:
         """Hand streams over when this server holds more than its share (``loads``: the streams each replica

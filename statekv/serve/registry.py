@@ -40,7 +40,7 @@ from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles
 from .stream_settings import StreamSettings, shown
-from .tier_saves import drop_whole_save, save_stream, saved_in_tier, tier_kept
+from .tier_saves import drop_whole_save, save_stream, saved_in_tier, tier_in_place, tier_kept
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -109,7 +109,8 @@ class StreamRegistry:
             raise ServiceError(409, f"stream {stream_id}'s frames are kept in its disk-tier file set {tier}, which "
                                "this server does not reach; nothing was deleted: delete it from one server started "
                                "alone with --offload disk and the --offload-dir it was served with")
-        await self.placement.remove_files(self, stream_id)  # whole, or refused (503) with nothing removed
+        in_place = await asyncio.to_thread(tier_in_place, self.record_of(stream_id), stream_id, self.files, reached)
+        await self.placement.remove_files(self, stream_id, in_place)  # whole, or refused (409, 503), nothing removed
         self.damaged.pop(stream_id, None)
         if tier and not found:  # lost with its disk, or in another folder
             log.warning("stream %s is deleted, but its disk-tier file set %s was not in --offload-dir %s: if it is "

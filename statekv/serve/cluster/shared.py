@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ...errors import OtherSetupError, StateKVError
@@ -316,8 +317,9 @@ class LeasedPlacement(Placement):
         await self._let_go(stream_id)
         self._listed = (0.0, [])
 
-    async def remove_files(self, registry: StreamRegistry, stream_id: str) -> None:
-        """A damaged stream's files removed under its lease (taken first, from whichever replica tried it last)."""
+    async def remove_files(self, registry: StreamRegistry, stream_id: str, tier: Path | None = None) -> None:
+        """A damaged stream's files removed under its lease (taken first, from whichever replica tried it last);
+        ``tier`` is always None: replicas resume no file sets."""
         await self.wait_for_lease(stream_id)
         try:
             await registry.begin_removal(stream_id, None)
