@@ -74,7 +74,8 @@ def test_the_frame_shown_is_named_by_its_place_and_time_and_after_a_kill_the_pag
     """Three frames pushed at 0, 1 and 2 s: the third waits for its partner. Before: the page said "2 frames" only
     (the API: pending 1) and captioned the third frame "frame 2 at 2.0 s" (the frames encoded, with the time of the
     last push, even a dropped one), and after a kill it still showed the record's last frame, one the stream came
-    back without, and said nothing of what was lost (the API's ``lost``)."""
+    back without, and said nothing of what was lost (the API's ``lost``); once it said so, it went on naming the
+    index to push again from at the start after the frames were pushed again from there."""
     with qwen_server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1.0}).json()["id"]
         for t in (0.0, 1.0, 2.0):
@@ -106,3 +107,12 @@ def test_the_frame_shown_is_named_by_its_place_and_time_and_after_a_kill_the_pag
         f"{info['resume_after_seconds']:.1f} s.")
     assert page.evaluate("() => [...document.querySelectorAll('.statekv-frame img')].map(i => i.src)"
                          ".filter(src => src.startsWith('data:')).length") == 0
+    with qwen_server.client() as client:  # pushed again from resume_from: the line says where to push next now
+        for t in (info["resume_after_seconds"] + 1.0, info["resume_after_seconds"] + 2.0):
+            _push(client, stream_id, t)
+        again = client.get(f"/v1/streams/{stream_id}").json()
+    assert again["resume_from"] == info["resume_from"] + 2, again
+    expected = (f"The server stopped before saving its last frames: this stream came back without "
+                f"{info['lost']['pushed']} pushed ({info['lost']['frames']} encoded). The next frame to push is index "
+                f"{again['resume_from']}, after {again['resume_after_seconds']:.1f} s.")
+    assert _text_becomes(page, ".statekv-lost", expected) == expected  # before: still the index of the start

@@ -470,8 +470,9 @@ class StreamPage:
         self.show("stats", (f"{info['frames']} frames{waiting} · {seconds} · {info['tokens']} tokens seen · carried "
                             f"state {info['carried']} tokens · detailed cache {info['cache_bytes'] / 2**20:.2f} MiB"),
                   self.stats.set_text)
-        self.show("lost", info["lost"], lambda lost: (self.lost.set_text(lost_text(lost, info)),
-                                                      self.lost.set_visibility(bool(lost))))
+        lost = info["lost"]
+        self.show("lost", (lost, info["resume_from"], info["resume_after_seconds"]),  # it names where to push next
+                  lambda _: (self.lost.set_text(lost_text(lost, info)), self.lost.set_visibility(bool(lost))))
         self.show_feed(info["feed"], entry.feed.skip if entry.feed is not None else 0)
         at = entry.last_frame_at
         self.show("frame", (info["frames"], at and at["pushed"]), lambda _: self.show_frame(entry, info))
