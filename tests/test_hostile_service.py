@@ -1373,7 +1373,8 @@ def test_a_start_with_another_setup_leaves_disk_tier_file_sets_where_they_are_fo
                                                                                                      options):
     """Before: a start with another model, layout, dtype or method than the streams were saved with (a mistyped
     flag) moved every disk-tier stream's sound file set into the quarantine, and a start with the right flags then
-    still listed each as damaged until its folder was moved back by hand."""
+    still listed each as damaged until its folder was moved back by hand. Then its 409 said to repair its files, kept
+    "in the state folder" (they are sound, in --offload-dir), or delete the stream."""
     tier, state = tmp_path / "tier", tmp_path / "state"
     disk = options.with_changes(offload="disk", offload_dir=str(tier))
     with Running(state, qa, options=disk) as server, server.client() as client:
@@ -1384,6 +1385,8 @@ def test_a_start_with_another_setup_leaves_disk_tier_file_sets_where_they_are_fo
         listed = client.get("/v1/streams").json()["data"]
         assert [stream["state"] for stream in listed] == ["damaged"]
         assert "saved with another setup" in str(listed[0]) and "left where it is" in str(listed[0]), listed
+        refused = _error(client.get(f"/v1/streams/{stream_id}"), 409)  # before: "repair them and restart"
+        assert "repair" not in refused and "its files are sound" in refused and "start the server with" in refused
     assert sorted(path.name for path in tier.iterdir()) == file_sets and not list(state.glob("quarantine/*-*"))
     with Running(state, qa, options=disk) as server, server.client() as client:
         info = client.get(f"/v1/streams/{stream_id}").json()

@@ -207,6 +207,7 @@ class DamagedStream:
     frames: int = 0
     state: str = "damaged"
     setup: str | None = None  # the setup it was refused by (`OtherSetupError`): damaged for replicas of that one
+    sound: bool = False  # its files are sound, saved with another setup than this start's (`OtherSetupError`)
 
     @property
     def name(self) -> str:
@@ -232,6 +233,8 @@ class Quarantined(InputError):
     """A stream whose disk-tier file set cannot be resumed: moved into the state folder's quarantine (then the
     stream is damaged until it is deleted), or left where it is when it cannot be moved (then it is tried again at
     the next start)."""
+
+    sound = False  # its file set is sound, saved with another setup: left for a start with that one
 
 
 def remove_tier(entry: StreamEntry) -> None:

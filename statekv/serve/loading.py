@@ -166,8 +166,10 @@ class StreamLoader:
             return Stream.load(folder, qa, **ids)
         except OtherSetupError as error:  # sound files, another model or settings: left for a start with them
             why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
-            raise Quarantined(f"its disk-tier file set {folder.name} was saved with another setup ({why}); left where "
-                              "it is: start the server with the model and settings it was saved with") from None
+            refused = Quarantined(f"its disk-tier file set {folder.name} was saved with another setup ({why}); left "
+                                  "where it is: start the server with the model and settings it was saved with")
+            refused.sound = True
+            raise refused from None
         except ForeignFilesError as error:  # sound files, another stream's (a copied record) or to be re-owned
             why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
             raise Quarantined(f"its disk-tier file set {folder.name} is not this stream's as it is ({why}); left "

@@ -83,6 +83,10 @@ class StreamRegistry:
     def check_damaged(self, owner: str, stream_id: str) -> None:
         """Refuse (409, one line) work on a quarantined stream the caller may see."""
         damaged = self.damaged.get(stream_id)
+        if damaged is not None and damaged.sound and damaged.owner in (owner, None):
+            raise ServiceError(409, f"stream {stream_id} is not served by this start ({damaged.reason}); its files are "
+                               "sound and kept where they are: start the server with the model and settings it was "
+                               "saved with (deleting the stream deletes its files)")
         if damaged is not None and damaged.owner in (owner, None):
             raise ServiceError(409, f"stream {stream_id} is damaged ({damaged.reason}); it is not served and its "
                                f"files are kept in {self.files.where}: {self.placement.repair}, or delete the stream")
@@ -510,7 +514,8 @@ class StreamRegistry:
             try:
                 entry = self.worker.run_blocking(self.restore_one, record)
             except Exception as error:  # noqa: BLE001 -- whatever a damaged file raises, the others are served
-                self.quarantine(record["id"], record["owner"], reason_of(error), record)
+                self.quarantine(record["id"], record["owner"], reason_of(error), record,
+                                sound=getattr(error, "sound", False))
                 continue
             self.entries[entry.id] = entry
         for name in self.files.unrecorded_saves():
@@ -546,13 +551,14 @@ class StreamRegistry:
         await self.healer.heal(entry)
 
     def quarantine(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any],
-                   setup: str | None = None) -> DamagedStream:
+                   setup: str | None = None, sound: bool = False) -> DamagedStream:
         """Quarantine a stream: logged, listed as damaged, and noted in the state folder (for every server that
-        shares it; ``setup``: for those of that setup alone, its files being sound)."""
+        shares it; ``setup``: for those of that setup alone, its files being sound; ``sound``: so are they, saved
+        with another setup than this server's)."""
         damaged = self.loader.damaged(stream_id, owner, reason, record)
-        damaged.setup = setup
-        log.error("stream %s is damaged and quarantined (not served; its files are kept): %s", stream_id,
-                  damaged.reason)
+        damaged.setup, damaged.sound = setup, sound
+        log.error("stream %s is %s: %s", stream_id, "not served by this start (its files are sound, left where they "
+                  "are)" if sound else "damaged and quarantined (not served; its files are kept)", damaged.reason)
         self.damaged[stream_id] = damaged
         try:
             self.files.write_note(damaged.note())
