@@ -80,6 +80,10 @@ def test_a_record_naming_another_streams_file_set_leaves_that_stream_served(qa, 
             assert copy["state"] == "damaged", copy
             assert "another stream" in copy["damaged"] and "left where it is" in copy["damaged"], copy
         assert sorted(path.name for path in tier.iterdir()) == file_sets and not list(state.glob("quarantine/*-*"))
+    with Running(state, qa, options=disk) as server, server.client() as client:  # the copy deleted alone
+        assert client.delete(f"/v1/streams/{copy_id}").status_code == 200  # before: 409, the file set held
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 2
+    assert sorted(path.name for path in tier.iterdir()) == file_sets
 
 
 def test_a_file_set_whose_owner_another_installation_recorded_stays_where_reown_finds_it(qa, tmp_path, options,

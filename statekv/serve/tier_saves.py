@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..api.stream_disk import read_stream_setup
+from ..errors import InputError
 from .store import removable_tier
 
 log = logging.getLogger("statekv.serve")
@@ -66,9 +68,16 @@ def tier_kept(record: Any, stream_id: str, files: Any, offload_dir: str | None) 
 def tier_in_place(record: Any, stream_id: str, files: Any, offload_dir: str | None) -> Path | None:
     """For a damaged stream's deletion: the disk-tier file set its ``record`` names where a start left it in
     ``offload_dir`` (saved with another setup, held by another process, or not movable into the quarantine); None
-    when there is none there (or this server resumes no file sets: ``offload_dir`` None)."""
+    when there is none there, when it is another stream's (named by a copied record), or when this server resumes no
+    file sets (``offload_dir`` None)."""
     tier = record.get("tier") if isinstance(record, dict) else None
     if not isinstance(tier, str) or not tier or offload_dir is None or files.quarantined(stream_id):
         return None
     folder = Path(offload_dir) / tier
-    return folder if removable_tier(str(folder), offload_dir) and folder.is_dir() else None
+    if not (removable_tier(str(folder), offload_dir) and folder.is_dir()):
+        return None
+    try:
+        named = read_stream_setup(folder).get("stream_id")
+    except (InputError, OSError):  # damaged: nothing tells whose it is but the record naming it
+        return folder
+    return None if named is not None and named != stream_id else folder  # a copied record's: its stream keeps it
