@@ -141,3 +141,26 @@ def test_a_save_no_record_names_is_said_at_start_and_left_as_it_is(qa, tmp_path,
     (said,) = [r.getMessage() for r in caplog.records if unrecorded in r.getMessage()]
     assert f"streams/{unrecorded}.safetensors" in said and "has no record" in said, said
     assert (state / "streams" / f"{unrecorded}.safetensors").exists()
+
+
+def test_an_older_records_loss_is_said_on_the_page_in_frames_not_as_none_pushed(qa, tmp_path):
+    """A record an earlier statekv wrote (no ``seen``) tells its loss by its answers' frames alone: the API's
+    ``lost`` has ``pushed`` 0. Before: the page said the stream "came back without 0 pushed (2 encoded)", as if
+    nothing pushed were lost; the log says 2, as the page now does."""
+    from statekv.serve.page_parts import lost_text
+
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+        asked = client.post(f"/v1/streams/{stream_id}/ask", json={"question": "What?", "max_new_tokens": 1})
+        assert asked.status_code == 200, asked.text
+    path = state / "streams" / f"{stream_id}.json"
+    record = json.loads(path.read_text())
+    del record["seen"]  # as an earlier statekv wrote it
+    path.write_text(json.dumps(record))
+    (state / "streams" / f"{stream_id}.safetensors").unlink()  # the frames its answer was given over are lost
+    with Running(state, qa) as server, server.client() as client:
+        info = client.get(f"/v1/streams/{stream_id}").json()
+    assert info["lost"] == {"pushed": 0, "frames": 2, "answers": 1}, info
+    said = lost_text(info["lost"], info)
+    assert "without 2 pushed (2 encoded)" in said and "without 0 pushed" not in said, said

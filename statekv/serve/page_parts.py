@@ -190,7 +190,8 @@ def lost_text(lost: dict | None, info: dict) -> str:
     over = f"; {answers} of its answers below were given over frames it no longer holds" if answers else ""
     after = info.get("resume_after_seconds")
     when = "" if after is None else f", after {after:.1f} s"
-    return (f"The server stopped before saving its last frames: this stream came back without {lost['pushed']} "
+    pushed = max(lost["pushed"], lost["frames"])  # an earlier statekv's record tells its loss in frames alone
+    return (f"The server stopped before saving its last frames: this stream came back without {pushed} "
             f"pushed ({lost['frames']} encoded){over}. The next frame to push is index {info.get('resume_from')}"
             f"{when}.")
 
