@@ -164,3 +164,22 @@ def test_an_older_records_loss_is_said_on_the_page_in_frames_not_as_none_pushed(
     assert info["lost"] == {"pushed": 0, "frames": 2, "answers": 1}, info
     said = lost_text(info["lost"], info)
     assert "without 2 pushed (2 encoded)" in said and "without 0 pushed" not in said, said
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["save", "disk-tier file set"])
+def test_a_stream_another_installation_owns_is_listed_without_the_servers_secret_path(qa, tmp_path, options,
+                                                                                     monkeypatch, disk):
+    """A damaged stream's reason names no server path (docs/serving.md). Before: one whose owner another
+    installation recorded named this server's secret file, its full path, to the client, and the file set's
+    reason was cut short in the middle of the `statekv reown` command it gives."""
+    secret = tmp_path / "secrets" / "second.secret"
+    served = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier")) if disk else options
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "first.secret"))
+    with Running(tmp_path / "state", qa, options=served) as server, server.client() as client:
+        _stream(client, frames=2)
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(secret))  # another machine's
+    with Running(tmp_path / "state", qa, options=served) as server, server.client() as client:
+        (listed,) = client.get("/v1/streams").json()["data"]
+    assert listed["state"] == "damaged" and "another statekv installation" in listed["damaged"], listed
+    assert str(tmp_path) not in listed["damaged"] and "secrets" not in listed["damaged"], listed
+    assert "--owner NAME" in listed["damaged"], listed

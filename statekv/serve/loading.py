@@ -15,6 +15,7 @@ from ..api.stream import Stream
 from ..core.disk.files import hold
 from ..errors import ForeignFilesError, InputError, OtherSetupError, OutputError, StateKVError
 from ..settings.values import is_finite_number
+from ..user_cache import secret_path
 from .answer_notes import recalled
 from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_start
 from .errors import public_message, reason_of
@@ -165,19 +166,19 @@ class StreamLoader:
         try:
             return Stream.load(folder, qa, **ids)
         except OtherSetupError as error:  # sound files, another model or settings: left for a start with them
-            why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
+            why = public_message(str(error), _server_paths(root, folder))[:200]
             refused = Quarantined(f"its disk-tier file set {folder.name} was saved with another setup ({why}); left "
                                   "where it is: start the server with the model and settings it was saved with")
             refused.sound = True
             raise refused from None
         except ForeignFilesError as error:  # sound files, another stream's (a copied record) or to be re-owned
-            why = public_message(str(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:200]
+            why = public_message(str(error), _server_paths(root, folder))[:200]
             raise Quarantined(f"its disk-tier file set {folder.name} is not this stream's as it is ({why}); left "
                               "where it is") from None
         except Exception as error:  # noqa: BLE001 -- whatever a damaged file set raises, the stream is quarantined
             if healing and isinstance(error, OutputError):
                 raise  # not damage: tried again once the folder can be written
-            why = public_message(reason_of(error), {str(root.resolve()) + "/": "", str(root) + "/": ""})[:160]
+            why = public_message(reason_of(error), _server_paths(root, folder))[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
         try:
             lock = hold(folder, None)  # the folder's own lock, as a stream living in it holds it
@@ -196,12 +197,22 @@ class StreamLoader:
 
     def damaged(self, stream_id: str, owner: str | None, reason: str, record: dict[str, Any]) -> DamagedStream:
         """A quarantined stream, its reason one line that names no server path and no other stream."""
-        reason = public_message(reason, self.files.places())
+        reason = public_message(reason, {**self.files.places(), **_server_paths(None)})
         reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unreadable"
         # another stream's id is not this stream's owner's to see
         reason = re.sub(r"(stream )?'?st_[0-9a-f]{24}'?",
                         lambda m: m.group(0) if stream_id in m.group(0) else "another stream", reason)
         return DamagedStream(stream_id, owner, reason, record)
+
+
+def _server_paths(root: Path | None, folder: Path | None = None) -> dict[str, str]:
+    """What a damaged stream's reason shows of the server's paths: ``root`` (--offload-dir) left out, the file set
+    ``folder`` its reason names already as the error's head left out (so its advice is not cut short), and the
+    installation's secret (named by an ownership check: `statekv.api.stream_identity.check_ownership`)."""
+    paths = {} if root is None else {str(root.resolve()) + "/": "", str(root) + "/": ""}
+    if folder is not None:
+        paths.update({str(folder.resolve()) + ": ": "", str(folder) + ": ": ""})
+    return {**paths, str(secret_path()): "the server's secret file"}
 
 
 def check_described(record: dict[str, Any], stream: Stream) -> None:
