@@ -575,24 +575,25 @@ def test_analyze_stopped_while_drawing_its_figures_keeps_a_report_naming_none(ti
     assert sorted(path.name for path in out.iterdir()) == ["analysis.json", "analysis.md"]
 
 
-def test_analyze_stopped_while_a_figure_is_drawn_ends_as_stopped_even_when_matplotlib_swallows_it(
-        tiny_video_model, tmp_path, capsys, monkeypatch):
-    """Before: matplotlib can clear a Ctrl-C raised while it draws (1 savefig in 12), and analyze wrote every figure
-    and exited 0; now the figure's end raises it: exit 130, the report without figures."""
+@pytest.mark.parametrize("where", ["drawing", "measuring"])
+def test_analyze_stopped_where_a_library_swallows_the_ctrl_c_ends_as_stopped(tiny_video_model, tmp_path, capsys,
+                                                                           monkeypatch, where):
+    """Before: a Ctrl-C matplotlib clears as it draws (1 savefig in 12) was lost (exit 0, every figure written); one
+    cleared as the first of two videos was measured waited for the second. Each figure's and video's end raises it."""
+    import statekv.analysis.runner as runner
     from matplotlib.figure import Figure
-
     checkpoint, video = tiny_video_model
-    out, savefig = tmp_path / "report", Figure.savefig
-
-    def swallowing(self, *args, **kwargs):  # a Ctrl-C lands while matplotlib draws, and matplotlib clears it
+    owner, name = (Figure, "savefig") if where == "drawing" else (runner, "measure_attention")
+    called, out = getattr(owner, name), tmp_path / "report"
+    def swallowing(*args, **kwargs):  # a Ctrl-C lands while the library runs, and the library clears it
         with contextlib.suppress(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-        return savefig(self, *args, **kwargs)
+        return called(*args, **kwargs)
 
-    monkeypatch.setattr(Figure, "savefig", swallowing)
-    argv = ["analyze", "--model", str(checkpoint), str(video), "--frames", "4", "--max-fps", "4", "--budgets", "1",
-            "--recency", "1", "--no-errors", "--out", str(out)]
-    assert run_cli(argv) == 130
-    assert "statekv analyze: interrupted" in capsys.readouterr().err
-    assert json.loads((out / "analysis.json").read_text())["figures"] == []
-    assert not list(out.glob("*.png"))
+    monkeypatch.setattr(owner, name, swallowing)
+    argv = ["analyze", "--model", str(checkpoint), str(video), *([str(video)] if where == "measuring" else []),
+            "--frames", "4", "--max-fps", "4", "--budgets", "1", "--recency", "1", "--no-errors", "--out", str(out)]
+    assert run_cli(argv) == 130 and "statekv analyze: interrupted" in capsys.readouterr().err
+    document = json.loads((out / "analysis.json").read_text())
+    assert not document.get("figures") and not list(out.glob("*.png"))
+    assert len(document["videos"]) == 1 and (where == "drawing" or "stopped after 1 of 2" in document["note"])

@@ -10,7 +10,7 @@ from statekv.console import ProgressLine, quiet_libraries
 from statekv.errors import OutputError
 from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
-from statekv.stopping import note_kept
+from statekv.stopping import note_kept, stop_point
 
 
 DEFAULT_BUDGETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             del steps
             if index < len(args.videos):
                 finished = (statistics.result(), errors.result() if errors else None, index)
+                stop_point()  # a Ctrl-C a library swallowed while the video was measured
     except (KeyboardInterrupt, Exception) as stop:  # an error midway (a video found unreadable) stops it as Ctrl-C
         if finished is not None:
             measured, approximated, count = finished
