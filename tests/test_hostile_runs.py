@@ -605,8 +605,10 @@ def _stop_at(monkeypatch, step_to_stop: int, number: int = signal.SIGTERM):
 
 def test_a_stopped_training_saves_its_last_step_and_resumes_from_it(tmp_path, monkeypatch):
     _stop_at(monkeypatch, 3)
-    with pytest.raises(Stopped):
+    with pytest.raises(Stopped) as stopped:
         training.train(TINY_RECIPE, tmp_path, threads=1)
+    assert stopped.value.__notes__ == [f"{tmp_path / training.STATE_FILE} holds step 3 of 6: rerun the same command "
+                                       "to go on"]  # the command's stop line says it (before: only a log line)
     state = torch.load(tmp_path / training.STATE_FILE, weights_only=True)
     assert state["step"] == 3  # steps 0-2 done; the checkpoint of step 2 kept as the previous one
     assert torch.load(tmp_path / training.PREVIOUS_STATE_FILE, weights_only=True)["step"] == 2

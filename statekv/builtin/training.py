@@ -61,7 +61,7 @@ from ..console import one_line
 from ..flushing import flush_file, write_whole
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
-from ..stopping import stop_point, whole
+from ..stopping import note_kept, stop_point, whole
 from ..synthetic.seeds import TRAINING_SEEDS, training_rng
 from ..video import IMAGENET_MEAN, IMAGENET_STD
 from .architecture import IMAGE_SIZE, LAYOUT, build_model, build_tokenizer, count_parameters
@@ -233,13 +233,15 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
             if step % recipe.checkpoint_every == 0 or step == last:
                 _save_state(out, recipe, model, optimizer, step, time.monotonic() - started, marks)
                 saved = step
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: keep every step finished (an interrupted one is redone)
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: keep every step finished (one cut short is redone)
         if step > saved:
             if window.parts:  # the steps since the last log line, logged as --stop-after logs its last step
                 _log(out, window.flush(step, recipe, time.monotonic() - started))
             _save_state(out, recipe, model, optimizer, step, time.monotonic() - started, marks)
         logger.info("stopped after step %d of %d; checkpoint saved to %s (rerun to go on)", step, recipe.steps,
                     out / STATE_FILE)
+        note_kept(stop, f"{out / STATE_FILE} holds step {step} of {recipe.steps}: rerun the same command to go on"
+                  if step else "no step was finished")
         raise
     if step >= recipe.steps:
         try:
