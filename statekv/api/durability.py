@@ -126,6 +126,21 @@ class Durability:
             raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
         return [record] if records or named is not None else []
 
+    def journal_watches(self) -> bool:
+        """Journal the open watches (`watches_records`) if they changed since the last record journaled of them,
+        after the last checkpoint, so a resume from it reopens them as they stand (a watch opened or closed since
+        its step, or evaluated by `Watch.evaluate`); whether a record was appended."""
+        if self.tier is None:
+            return False
+        records = self.open_watches()[0]
+        written = self.watches_written
+        if not records and self.watches_file is None or written is not None and written[:2] == (self.tier.folder,
+                                                                                                   records):
+            return False
+        self.tier.append(*self.watches_records(self.tier.folder))
+        self.watches_journaled()
+        return True
+
     def watches_journaled(self) -> None:
         """The records `watches_records` last gave are journaled: the file they name is the one to keep."""
         if self.watches_next is not None:

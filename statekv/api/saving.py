@@ -42,6 +42,8 @@ def save_stream(stream: Any, path: str | Path) -> Path:
     changed, whether the save succeeds or not."""
     try:
         stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
+        if stream.durability.journal_watches():  # its watches as this save holds them
+            stream.prefill.sync()
         stream.durability.sync()
     except OutputError as error:
         raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None

@@ -367,9 +367,12 @@ class Stream(EncodedVideo):
         """Make a disk-tier stream's file set durable up to now, as `save` does first: the carried state
         checkpointed at its last step and every file forced to the storage device, so its folder resumes
         (`load`) with every step taken so far. Nothing to do off the disk tier; an `OutputError` when the device
-        fails it. Its cost follows the steps since the last sync, not the stream's length."""
+        fails it. Its cost follows the steps since the last sync, not the stream's length. The open watches are
+        kept as they stand, also those opened or closed since the last step."""
         self.prefill.check_open()
         self.prefill.sync()
+        if self.durability.journal_watches():  # (after the checkpoint: a resume from an older one never reads it)
+            self.prefill.sync()
         self.durability.sync()
 
     @classmethod
