@@ -132,10 +132,9 @@ class Durability:
         its step, or evaluated by `Watch.evaluate`); whether a record was appended."""
         if self.tier is None:
             return False
-        records = self.open_watches()[0]
-        written = self.watches_written
-        if not records and self.watches_file is None or written is not None and written[:2] == (self.tier.folder,
-                                                                                                   records):
+        records, written = self.open_watches()[0], self.watches_written
+        never_any = not records and self.watches_file is None
+        if never_any or (written is not None and written[:2] == (self.tier.folder, records)):
             return False
         self.tier.append(*self.watches_records(self.tier.folder))
         self.watches_journaled()
