@@ -492,15 +492,10 @@ def slow_server(tmp_path_factory):
 
 @pytest.fixture
 def slow_browser(slow_server):
-    from test_serve import launched_chromium
+    from test_serve import chromium_browser
 
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as playwright:
-        browser = launched_chromium(playwright)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium_browser() as browser:
+        yield browser
     printed = slow_server.printed()
     assert not re.search(r"Traceback|ERROR|WARNING|Client has been deleted", printed), printed[-3000:]
 

@@ -30,17 +30,10 @@ def qwen_server(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture
 def chromium():
-    from test_serve import CHROMIUM, launched_chromium
+    from test_serve import chromium_browser
 
-    if CHROMIUM is None:
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as playwright:
-        browser = launched_chromium(playwright)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with chromium_browser() as browser:
+        yield browser
 
 
 def _push(client, stream_id: str, t: float) -> dict:

@@ -923,6 +923,21 @@ def launched_chromium(playwright, *extra: str):
         "--no-first-run", *extra])
 
 
+@contextlib.contextmanager
+def chromium_browser(*extra: str):
+    """`launched_chromium` in a Playwright of its own, closed on leaving; the test is skipped where chromium is
+    missing."""
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = launched_chromium(playwright, *extra)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def _shown(page, selector: str) -> str:
     page.wait_for_selector(selector, state="visible", timeout=60_000)
     return page.inner_text(selector)
