@@ -1,5 +1,6 @@
-"""`Stream.sync` (and `Stream.save`, which syncs first) on the disk tier keeps the open watches as they stand, also those opened or closed since the last
-step (on Qwen3-VL a watch opened while a frame waits for its partner): a kill after it reopens them so.
+"""`Stream.sync` (and `Stream.save`, which syncs first) on the disk tier keeps the open watches as they stand, also
+those opened or closed since the last step (on Qwen3-VL a watch opened while a frame waits for its partner): a kill
+after it reopens them so.
 
 Before: the watches were kept only with a checkpoint of a new step, so a watch opened after the last step and
 synced was gone after a kill, and one closed since came back."""
