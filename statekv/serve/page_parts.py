@@ -187,13 +187,14 @@ def lost_text(lost: dict | None, info: dict) -> str:
     if not lost:
         return ""
     answers = lost.get("answers") or 0
-    over = f"; {answers} of its answers below were given over frames it no longer holds" if answers else ""
+    over = (f"; {answers} answer{'s' * (answers != 1)} below {'was' if answers == 1 else 'were'} given over frames "
+            "it no longer holds" if answers else "")
     after = info.get("resume_after_seconds")
     when = "" if after is None else f", after {after:.1f} s"
     pushed = max(lost["pushed"], lost["frames"])  # an earlier statekv's record tells its loss in frames alone
-    return (f"The server stopped before saving its last frames: this stream came back without {pushed} "
-            f"pushed ({lost['frames']} encoded){over}. The next frame to push is index {info.get('resume_from')}"
-            f"{when}.")
+    return (f"The server stopped before saving this stream's last frames: it came back without the last {pushed} "
+            f"frame{'s' * (pushed != 1)} pushed ({lost['frames']} of them encoded){over}. The next frame to push is "
+            f"index {info.get('resume_from')}{when}.")
 
 
 def js_literal(text: str | None) -> str:
