@@ -4,6 +4,7 @@ another setup than their streams were saved with: what they note in the shared s
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -68,3 +69,34 @@ def test_a_start_with_another_setup_lists_a_stream_damaged_for_that_run_alone(tm
         assert [(stream["id"], stream["state"], stream["frames"]) for stream in listed] == [(stream_id, "ready", 1)]
         assert fourth.get(f"/v1/streams/{stream_id}", headers=headers).json()["frames"] == 1
     assert not list((tmp_path / "state").glob("quarantine/*"))
+
+
+def _replica(tmp_path, options, name: str):
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    config = ServeConfig(options=options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                         save_every_seconds=600)
+    return TestClient(create_app(config, qa=statekv.VideoQA.from_options(options),
+                                 hosting=ReplicaHosting(config, name, lease_seconds=60)))
+
+
+def test_a_record_whose_saved_counts_are_no_numbers_is_listed_by_another_replica_without_them(tmp_path, qa):
+    """Before: a replica listing a stream it did not hold answered GET /v1/streams with a 500 (ValueError) when the
+    stream's record said ``"frames": "x"`` under ``saved``, and showed a ``saved.seconds`` of text as the stream's
+    time and where to push again from, which a load (and a server alone) does not take as a stream time."""
+    headers = {"Authorization": "Bearer key"}
+    with _replica(tmp_path, qa.options, "first") as first:
+        stream_id = first.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
+    record_path = tmp_path / "state" / "streams" / f"{stream_id}.json"
+    record = json.loads(record_path.read_text())
+    record["saved"] = {"pushed": "3", "frames": "x", "seconds": "abc"}
+    record_path.write_text(json.dumps(record))
+    with _replica(tmp_path, qa.options, "second") as second:
+        listed = second.get("/v1/streams", headers=headers)
+        assert listed.status_code == 200, listed.text
+        [stream] = listed.json()["data"]
+        assert (stream["frames"], stream["pushed"], stream["seconds"]) == (0, 0, None), stream
+        assert (stream["resume_from"], stream["resume_after_seconds"]) == (0, None), stream

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import OtherSetupError, StateKVError
+from ...settings.values import is_finite_number
 from ..entries import DamagedStream, StreamEntry, remove_tier
 from ..errors import ServiceError, StorageError, reason_of
 from ..loading import unreadable
@@ -72,12 +73,18 @@ class HeldElsewhere:
 
     @property
     def saved(self) -> dict[str, Any]:
+        """The record's ``saved``, its counts and time as a load takes them (`StreamLoader.load`): one that is no
+        count or no stream time (text, a list, negative: a record edited by hand) as none."""
         saved = self.record.get("saved")
-        return saved if isinstance(saved, dict) else {"pushed": 0, "frames": 0, "seconds": None}
+        saved = saved if isinstance(saved, dict) else {}
+        counts = {name: saved[name] if type(saved.get(name)) is int and saved[name] >= 0 else 0
+                  for name in ("pushed", "frames")}
+        seconds = saved.get("seconds")
+        return {**saved, **counts, "seconds": seconds if is_finite_number(seconds) and seconds >= 0 else None}
 
     @property
     def frames(self) -> int:
-        return int(self.saved.get("frames") or 0)
+        return self.saved["frames"]
 
     @property
     def state(self) -> str:
