@@ -100,3 +100,22 @@ def test_a_record_whose_saved_counts_are_no_numbers_is_listed_by_another_replica
         [stream] = listed.json()["data"]
         assert (stream["frames"], stream["pushed"], stream["seconds"]) == (0, 0, None), stream
         assert (stream["resume_from"], stream["resume_after_seconds"]) == (0, None), stream
+
+
+def test_a_replica_of_another_setup_answers_that_the_streams_files_are_sound(tmp_path, qa, caplog):
+    """Before: the 409 of a replica started with another setup than a stream was saved with called the stream
+    damaged and said to repair its files (they are sound: the setup is what to change), and its log line called it
+    damaged and quarantined, as a server alone no longer does for a disk-tier file set saved with another setup."""
+    headers = {"Authorization": "Bearer key"}
+    with _replica(tmp_path, qa.options, "first") as first:
+        stream_id = first.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
+        first.post(f"/v1/streams/{stream_id}/frames?t=0", content=_png(random_frames(1, 31, *SIZE)[0]),
+                   headers={**headers, "Content-Type": "image/png"}).raise_for_status()
+    with _replica(tmp_path, qa.options.with_changes(dtype="bfloat16"), "second") as second:
+        for _ in range(2):  # each request tries it again: refused alike
+            refused = second.get(f"/v1/streams/{stream_id}", headers=headers)
+            message = refused.json()["error"]["message"]
+            assert refused.status_code == 409 and "saved with dtype" in message, refused.text
+            assert "files are sound" in message and "repair" not in message, message
+    logged = [record.getMessage() for record in caplog.records if stream_id in record.getMessage()]
+    assert logged and not [line for line in logged if "damaged and quarantined" in line], logged

@@ -210,7 +210,7 @@ class LeasedPlacement(Placement):
                         # one of another setup is damaged for replicas of this setup alone: its files are sound
                         setup = setup_of(registry) if isinstance(error, OtherSetupError) else None
                         damaged = await asyncio.to_thread(registry.quarantine, stream_id, record["owner"],
-                                                          reason_of(error), record, setup)
+                                                          reason_of(error), record, setup, setup is not None)
                     await self._let_go(stream_id)
                     if damaged is not None:
                         registry.check_damaged(damaged.owner, stream_id)  # its 409
@@ -314,8 +314,9 @@ class LeasedPlacement(Placement):
                  note: dict[str, Any] | None) -> DamagedStream:
         """A damaged stream as the shared state tells it: its note (the reason it was quarantined), else its
         record's (unreadable)."""
-        if note is not None:
-            return DamagedStream(note["id"], note["owner"], note["reason"], note)
+        if note is not None:  # one noted for this replica's setup (`_applies`) is sound, saved with another one
+            return DamagedStream(note["id"], note["owner"], note["reason"], note, setup=note.get("setup"),
+                                 sound=note.get("setup") is not None)
         reason = unreadable(self.files.record_name(stream_id), record)
         return registry.loader.damaged(stream_id, self.files.owner_named(stream_id), reason, {})
 
