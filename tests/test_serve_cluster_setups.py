@@ -1,5 +1,7 @@
 """`statekv serve --ray`'s replicas (without a Ray cluster, as tests/test_serve_cluster.py runs them) started with
-another setup than their streams were saved with: what they note in the shared state holds for that setup alone."""
+another setup than their streams were saved with: what they note in the shared state holds for that setup alone and
+says the files are sound, naming a save in an object store by its own name; and a record's saved counts that are no
+numbers, as another replica lists the stream."""
 
 from __future__ import annotations
 
@@ -71,16 +73,16 @@ def test_a_start_with_another_setup_lists_a_stream_damaged_for_that_run_alone(tm
     assert not list((tmp_path / "state").glob("quarantine/*"))
 
 
-def _replica(tmp_path, options, name: str):
+def _replica(tmp_path, options, name: str, store: str | None = None, folder: bool = True):
     from fastapi.testclient import TestClient
 
     from statekv.serve.app import create_app
     from statekv.serve.cluster.hosting import ReplicaHosting
 
-    config = ServeConfig(options=options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
-                         save_every_seconds=600)
+    config = ServeConfig(options=options, state_dir=tmp_path / "state" if folder else None, api_keys=("key",),
+                         page=False, save_every_seconds=600)
     return TestClient(create_app(config, qa=statekv.VideoQA.from_options(options),
-                                 hosting=ReplicaHosting(config, name, lease_seconds=60)))
+                                 hosting=ReplicaHosting(config, name, lease_seconds=60, store=store)))
 
 
 def test_a_record_whose_saved_counts_are_no_numbers_is_listed_by_another_replica_without_them(tmp_path, qa):
@@ -119,3 +121,21 @@ def test_a_replica_of_another_setup_answers_that_the_streams_files_are_sound(tmp
             assert "files are sound" in message and "repair" not in message, message
     logged = [record.getMessage() for record in caplog.records if stream_id in record.getMessage()]
     assert logged and not [line for line in logged if "damaged and quarantined" in line], logged
+
+
+@pytest.mark.parametrize("folder", [True, False], ids=["saves-beside-a-folder", "store-alone"])
+def test_a_save_in_an_object_store_is_named_by_its_own_name_in_a_refusal(tmp_path, qa, folder):
+    """Before: a stream whose save in an object store (``--store``, beside a shared folder or alone) could not be
+    loaded was noted in the shared state, and answered, with the server's temporary copy of the save
+    (``/tmp/statekv-load-XXXX/ID.safetensors: saved with ...``), a server path; a save in the folder is named
+    ``ID.safetensors``."""
+    headers, store = {"Authorization": "Bearer key"}, (tmp_path / "bucket").as_uri()
+    with _replica(tmp_path, qa.options, "first", store, folder) as first:
+        stream_id = first.post("/v1/streams", json={"horizon_frames": 8}, headers=headers).json()["id"]
+        first.post(f"/v1/streams/{stream_id}/frames?t=0", content=_png(random_frames(1, 31, *SIZE)[0]),
+                   headers={**headers, "Content-Type": "image/png"}).raise_for_status()
+    with _replica(tmp_path, qa.options.with_changes(dtype="bfloat16"), "second", store, folder) as second:
+        refused = second.get(f"/v1/streams/{stream_id}", headers=headers)
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 409 and f"({stream_id}.safetensors: saved with dtype" in message, message
+        assert "statekv-load-" not in message and "/" not in message.split("(", 1)[1].split(")", 1)[0], message

@@ -37,6 +37,13 @@ CLOCK_MARGIN_SECONDS = 1.0  # how far apart the replicas' clocks may be
 KILLED_SAVE = re.compile(r"\.[^/]+\.partial(\.[0-9a-f]{8}\.partial|\.lock)?")  # after a saved stream's name
 
 
+def named_as_saved(error: BaseException, local: Path) -> None:
+    """``error``, raised by the load of a save downloaded to ``local``, naming the save by its file's name rather
+    than by the server's temporary copy (its reason is noted in the shared state and answered to clients)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (error.args[0].replace(str(local), local.name), *error.args[1:])
+
+
 def _remove_killed_saves(final: Path) -> None:
     """Remove what saves of ``final`` cut short by a replica's death left (the save's partial file, the folder
     `statekv.Stream.save` writes it in, its lock file): called under the stream's lease, whose holder saves one at
@@ -255,7 +262,11 @@ class SharedStreamFiles(StreamFiles):
         try:
             local = folder / f"{stream_id}.safetensors"
             self.store.get(name, local)
-            yield local
+            try:
+                yield local
+            except Exception as error:
+                named_as_saved(error, local)
+                raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -28,6 +28,7 @@ from ...errors import ConfigurationError, InputError, StateKVError
 from ..auth import new_key, owner_of
 from ..errors import ServiceError
 from ..store import check_record, readable_owner
+from .folder import named_as_saved
 from .leases import LEASE_SECONDS, Lease, LeaseLost
 from .objects import MissingObject, ObjectStore, StoreError
 from .sessions import Session
@@ -382,7 +383,11 @@ class StoreStreamFiles:
             except StoreError as error:  # the store failing, not the stream: a retry, never a quarantine
                 raise ServiceError(503, f"stream {stream_id}'s save cannot be read from the object store now "
                                    f"({error}); retry", headers={"Retry-After": "1"}) from None
-            yield local
+            try:
+                yield local
+            except Exception as error:
+                named_as_saved(error, local)
+                raise
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
