@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
 
-from test_hostile_service import Running, _png, _stream  # noqa: E402
+import statekv  # noqa: E402
+from test_hostile_service import Running, _error, _png, _stream  # noqa: E402
 from test_hostile_service import options, qa  # noqa: E402,F401 -- the module's fixtures
 
 
@@ -185,3 +186,18 @@ def test_a_stream_another_installation_owns_is_listed_without_the_servers_secret
     assert listed["state"] == "damaged" and "another statekv installation" in listed["damaged"], listed
     assert str(tmp_path) not in listed["damaged"] and "secrets" not in listed["damaged"], listed
     assert "--owner NAME" in listed["damaged"], listed
+
+
+def test_a_save_made_with_another_setup_is_answered_as_sound_by_a_server_alone(qa, tmp_path, options):
+    """Before: a server alone started with another dtype answered 409 calling a stream saved whole with the first
+    "damaged" and telling to repair its files, kept in the state folder; they are sound: the setup is what to
+    change, and a start with the first serves the stream."""
+    state = tmp_path / "state"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    other = options.with_changes(dtype="bfloat16")
+    with Running(state, statekv.VideoQA.from_options(other), options=other) as server, server.client() as client:
+        message = _error(client.get(f"/v1/streams/{stream_id}"), 409)
+        assert "files are sound" in message and "repair" not in message, message
+    with Running(state, qa) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 2

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import StateKVError
+from ..errors import OtherSetupError, StateKVError
 from .answer_notes import answer_note
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
@@ -515,7 +515,7 @@ class StreamRegistry:
                 entry = self.worker.run_blocking(self.restore_one, record)
             except Exception as error:  # noqa: BLE001 -- whatever a damaged file raises, the others are served
                 self.quarantine(record["id"], record["owner"], reason_of(error), record,
-                                sound=getattr(error, "sound", False))
+                                sound=getattr(error, "sound", False) or isinstance(error, OtherSetupError))
                 continue
             self.entries[entry.id] = entry
         for name in self.files.unrecorded_saves():
