@@ -201,3 +201,34 @@ def test_a_save_made_with_another_setup_is_answered_as_sound_by_a_server_alone(q
         assert "files are sound" in message and "repair" not in message, message
     with Running(state, qa) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 2
+
+
+def test_a_deletion_cut_short_leaves_a_file_set_another_process_holds_until_a_start_that_can_take_it(qa, tmp_path,
+                                                                                                     options, caplog):
+    """A DELETE removes a disk-tier file set under its lock (409 while another process holds it); a kill between its
+    deletion note and the removal leaves the rest to the next start. Before: that start removed the folder whatever
+    held it (a `Stream.load` of it, another server on the same --offload-dir), its files gone under the holder."""
+    from statekv.core.disk.files import hold
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    (file_set,) = [path for path in tier.iterdir() if path.is_dir()]
+    # as `statekv serve` leaves it killed between the deletion's note and its removal of the file set
+    note = {"id": stream_id, "tier": str(file_set.absolute()), "at": 0}
+    (state / "streams" / f"{stream_id}.deleting").write_text(json.dumps(note))
+    held = hold(file_set, "another process")
+    try:
+        with caplog.at_level(logging.ERROR, logger="statekv.serve"):
+            with Running(state, qa, options=disk) as server, server.client() as client:
+                assert client.get("/v1/streams").json()["data"] == []
+                assert client.get(f"/v1/streams/{stream_id}").status_code == 404
+        assert file_set.is_dir() and (file_set / "stream.json").exists()  # before: removed under its holder
+        (said,) = [r.getMessage() for r in caplog.records if "cannot finish deleting" in r.getMessage()]
+        assert stream_id in said and "next start" in said, said
+    finally:
+        held.release()
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        assert client.get("/v1/streams").json()["data"] == []
+    assert not file_set.exists() and not list((state / "streams").glob(f"{stream_id}.*"))

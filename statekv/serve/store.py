@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigurationError, StateKVError
+from ..core.disk.files import hold
+from ..errors import ConfigurationError, InputError, StateKVError
 from ..flushing import flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import is_finite_number, is_stream_rate
@@ -57,6 +58,22 @@ def removable_tier(tier: str, offload_dir: str | os.PathLike | None) -> bool:
     folder = Path(tier)
     return (offload_dir is not None and TIER_NAME.fullmatch(folder.name) is not None
             and folder.parent.resolve() == Path(offload_dir).resolve())
+
+
+def _removed_unheld(folder: Path) -> str | None:
+    """Remove the disk-tier folder ``folder`` under its lock, as a DELETE does (`Placement.remove_files`); or
+    leave it as it is when its lock cannot be taken (another process holds it): why, then."""
+    if not folder.is_dir() or folder.is_symlink():  # gone, or a link: never followed (rmtree leaves it)
+        return None
+    try:
+        lock = hold(folder, None)
+    except InputError as error:
+        return str(error)
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        lock.release()
+    return None
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -328,7 +345,11 @@ class StreamFiles:
         for removal in self.removals():
             try:
                 if removal["tier"] and removable_tier(removal["tier"], offload_dir):
-                    shutil.rmtree(removal["tier"], ignore_errors=True)
+                    refused = _removed_unheld(Path(removal["tier"]))
+                    if refused is not None:  # its files kept, the stream still never served
+                        log.error("cannot finish deleting stream %s yet (%s); tried again at the next start",
+                                  removal["id"], refused)
+                        continue
                 elif removal["tier"]:
                     log.warning("stream %s: its deletion note names %s, not a disk-tier folder under this server's "
                                 "offload_dir; left as it is", removal["id"], removal["tier"][:200])
