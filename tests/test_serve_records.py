@@ -232,3 +232,34 @@ def test_a_deletion_cut_short_leaves_a_file_set_another_process_holds_until_a_st
     with Running(state, qa, options=disk) as server, server.client() as client:
         assert client.get("/v1/streams").json()["data"] == []
     assert not file_set.exists() and not list((state / "streams").glob(f"{stream_id}.*"))
+
+
+def test_a_copied_records_deletion_leaves_a_damaged_file_set_another_stream_s_record_names(qa, tmp_path, options):
+    """A copy of a disk-tier stream's record under another id names the same file set; one that cannot be read (its
+    stream.json damaged) does not say whose it is, and is left where it is while another process holds it. Before:
+    a DELETE of the copy, once the file set was let go, removed it: the stream whose file set it was lost it."""
+    from statekv.core.disk.files import hold
+
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    copy_id = "st_" + "0" * 24
+    record = json.loads((state / "streams" / f"{stream_id}.json").read_text())
+    (state / "streams" / f"{copy_id}.json").write_text(json.dumps({**record, "id": copy_id}))
+    (file_set,) = [path for path in tier.iterdir() if path.is_dir()]
+    setup = json.loads((file_set / "stream.json").read_text())
+    (file_set / "stream.json").write_text(json.dumps({**setup, "checksum": "0" * 64}))
+    held = hold(file_set, "another process")
+    try:
+        with Running(state, qa, options=disk) as server, server.client() as client:
+            listed = client.get("/v1/streams").json()["data"]
+            assert [stream["state"] for stream in listed] == ["damaged", "damaged"], listed
+            held.release()
+            assert client.delete(f"/v1/streams/{copy_id}").status_code == 200
+            assert file_set.is_dir()  # before: removed with the copy
+            assert [stream["id"] for stream in client.get("/v1/streams").json()["data"]] == [stream_id]
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200  # its own stream's deletion
+    finally:
+        held.release()
+    assert not file_set.exists() and not list((state / "streams").iterdir())

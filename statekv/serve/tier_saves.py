@@ -68,8 +68,9 @@ def tier_kept(record: Any, stream_id: str, files: Any, offload_dir: str | None) 
 def tier_in_place(record: Any, stream_id: str, files: Any, offload_dir: str | None) -> Path | None:
     """For a damaged stream's deletion: the disk-tier file set its ``record`` names where a start left it in
     ``offload_dir`` (saved with another setup, held by another process, or not movable into the quarantine); None
-    when there is none there, when it is another stream's (named by a copied record), or when this server resumes no
-    file sets (``offload_dir`` None)."""
+    when there is none there, when it is another stream's (named by a copied record; or, where the file set does not
+    say whose it is, named by another stream's record too), or when this server resumes no file sets (``offload_dir``
+    None)."""
     tier = record.get("tier") if isinstance(record, dict) else None
     if not isinstance(tier, str) or not tier or offload_dir is None or files.quarantined(stream_id):
         return None
@@ -78,6 +79,14 @@ def tier_in_place(record: Any, stream_id: str, files: Any, offload_dir: str | No
         return None
     try:
         named = read_stream_setup(folder).get("stream_id")
-    except (InputError, OSError):  # damaged: nothing tells whose it is but the record naming it
-        return folder
-    return None if named is not None and named != stream_id else folder  # a copied record's: its stream keeps it
+    except (InputError, OSError):  # damaged: nothing tells whose it is but the records naming it
+        named = None
+    if named is not None:
+        return folder if named == stream_id else None  # a copied record's: its stream keeps it
+    shared = [other for other, data in files.records() if other != stream_id and isinstance(data, dict)
+              and data.get("tier") == tier]
+    if shared:  # another stream's record names it too (one of them copied): left to the stream deleted last
+        log.warning("a deletion of stream %s leaves its disk-tier file set %s where it is: stream %s's record names it "
+                    "too", stream_id, tier, shared[0])
+        return None
+    return folder
