@@ -13,6 +13,8 @@ import logging
 
 import pytest
 
+import statekv
+
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
 
@@ -263,3 +265,27 @@ def test_a_copied_records_deletion_leaves_a_damaged_file_set_another_stream_s_re
     finally:
         held.release()
     assert not file_set.exists() and not list((state / "streams").iterdir())
+
+
+def test_a_damaged_streams_deletion_says_it_leaves_a_file_set_that_is_a_link(qa, tmp_path, options, caplog):
+    """A disk-tier file set in --offload-dir that is a link (to a folder on another disk, say) is never followed by
+    a deletion. Before: a DELETE of the stream, listed as damaged (saved with another setup), answered 200 and
+    removed the record alone: the link and every frame it names stayed for good, nothing said."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = options.with_changes(offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=2)
+    (file_set,) = [path for path in tier.iterdir() if path.is_dir()]
+    elsewhere = tmp_path / "elsewhere" / file_set.name
+    elsewhere.parent.mkdir()
+    file_set.rename(elsewhere)
+    file_set.symlink_to(elsewhere, target_is_directory=True)
+    kept = sorted(path.name for path in elsewhere.iterdir() if path.name != "lock")
+    other = disk.with_changes(dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="statekv.serve"):
+        with Running(state, statekv.VideoQA.from_options(other), options=other) as server, server.client() as client:
+            assert client.get("/v1/streams").json()["data"][0]["state"] == "damaged"
+            assert client.delete(f"/v1/streams/{stream_id}").status_code == 200
+    assert sorted(path.name for path in elsewhere.iterdir() if path.name != "lock") == kept and file_set.is_symlink()
+    (said,) = [r.getMessage() for r in caplog.records if "is a link" in r.getMessage()]
+    assert stream_id in said and file_set.name in said and "remove them by hand" in said, said

@@ -9,6 +9,7 @@ the file set already journals every push, so a save costs what the frames since 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,11 @@ def tier_in_place(record: Any, stream_id: str, files: Any, offload_dir: str | No
     if not isinstance(tier, str) or not tier or offload_dir is None or files.quarantined(stream_id):
         return None
     folder = Path(offload_dir) / tier
+    if folder.is_symlink():  # never followed: what it names may be anything, anywhere
+        log.warning("a deletion of stream %s leaves its disk-tier file set %s where it is: it is a link (to %s) in "
+                    "--offload-dir, and neither it nor what it names is removed: remove them by hand", stream_id,
+                    tier, os.readlink(folder)[:200])
+        return None
     if not (removable_tier(str(folder), offload_dir) and folder.is_dir()):
         return None
     try:
