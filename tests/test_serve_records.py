@@ -18,7 +18,6 @@ import statekv
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
 
-import statekv  # noqa: E402
 from test_hostile_service import Running, _error, _png, _stream  # noqa: E402
 from test_hostile_service import options, qa  # noqa: E402,F401 -- the module's fixtures
 
