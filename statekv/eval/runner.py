@@ -309,8 +309,7 @@ def _run_evaluation(config: EvalConfig, context: RankContext, qa) -> dict[str, A
 
 
 def lock_for_every_rank(lock: RunLock, context: RankContext) -> None:
-    """Rank 0 takes the run folder's lock; every rank of the launch stops if it could not (another run holds
-    it), so none of them repeats that run's work."""
+    """Rank 0 takes the run folder's lock; every rank stops if it could not (another run holds it, its work)."""
     refusal = None
     if context.is_main:
         try:
