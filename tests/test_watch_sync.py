@@ -46,3 +46,30 @@ def test_a_sync_keeps_the_watches_opened_and_closed_since_the_last_step(family, 
     finally:
         resumed.close()
         stream.close()
+
+
+def test_a_sync_writes_no_watches_into_a_folder_that_replaced_the_streams(tmp_path):
+    """A sync whose watches changed since the last one, after the stream's folder was moved away and another put
+    at its path (what the path names may be another stream's file set), leaves that folder as it is: an error.
+    Before: it wrote its watches file into it over the one there, and removed the older one there, then failed."""
+    qa = statekv.VideoQA.from_pretrained("builtin", method="statekv", budget=64, offload="disk",
+                                         offload_dir=str(tmp_path / "tier"))
+    stream = qa.stream(max_fps=1.0)
+    try:
+        for index, t in enumerate([0.0, 1.0, 2.0]):
+            stream.push(_image(index), t)
+        stream.watch(QUESTION, every=2, max_new_tokens=2)
+        stream.sync()  # its watches in one file; the next sync writes them into the other
+        folder = stream.folder
+        folder.rename(tmp_path / "moved")
+        folder.mkdir()  # another's, as far as this stream can tell
+        theirs = {"watches.0.safetensors": b"another stream's", "watches.1.safetensors": b"another stream's",
+                  "watches.safetensors": b"an older statekv's"}
+        for name, data in theirs.items():
+            (folder / name).write_bytes(data)
+        stream.watch(QUESTION, every=2, max_new_tokens=2)
+        with pytest.raises(statekv.errors.OutputError):
+            stream.sync()
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == theirs
+    finally:
+        stream.close()

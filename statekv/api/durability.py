@@ -136,6 +136,7 @@ class Durability:
         never_any = not records and self.watches_file is None
         if never_any or (written is not None and written[:2] == (self.tier.folder, records)):
             return False
+        self.tier.check_owner()  # before its watches file is written there: the path may name another's folder now
         self.tier.append(*self.watches_records(self.tier.folder))
         self.watches_journaled()
         return True
