@@ -618,6 +618,20 @@ def test_a_stopped_training_saves_its_last_step_and_resumes_from_it(tmp_path, mo
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_training_from_given_weights_stopped_before_its_first_step_says_nothing_was_kept(tmp_path, monkeypatch):
+    """A run begun from ``init`` weights starts at the long-range phase's first step with no checkpoint yet. Before:
+    stopped before that step was done, its stop line said the state file held that step (none was written)."""
+    from statekv.builtin import WEIGHTS_DIR
+
+    recipe = training.Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), log_every=1,
+                             long_range=LongRange(steps=1, frames=(6,), stream_frames=300, span=60))
+    _stop_at(monkeypatch, 0)  # the long-range phase's first draw
+    with pytest.raises(Stopped) as stopped:
+        training.train(recipe, tmp_path, threads=1, init=WEIGHTS_DIR)
+    assert not (tmp_path / training.STATE_FILE).exists()
+    assert stopped.value.__notes__ == ["no step was finished"], stopped.value.__notes__
+
+
 def test_a_stop_as_the_update_ends_saves_the_step_the_weights_are_of(tmp_path, monkeypatch):
     """A stop landing as the optimiser's update returns (before the step was counted) waits for the count: the
     checkpoint names the step its weights are of, and the resumed run takes the uninterrupted one's steps."""

@@ -241,7 +241,7 @@ def _train_locked(recipe: Recipe, out: Path, stop_after: int | None, init: str |
         logger.info("stopped after step %d of %d; checkpoint saved to %s (rerun to go on)", step, recipe.steps,
                     out / STATE_FILE)
         note_kept(stop, f"{out / STATE_FILE} holds step {step} of {recipe.steps}: rerun the same command to go on"
-                  if step else "no step was finished")
+                  if (out / STATE_FILE).is_file() else "no step was finished")  # (from --init: none yet)
         raise
     if step >= recipe.steps:
         try:
