@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..core.disk.files import hold
 from ..errors import ConfigurationError, InputError, StateKVError
 from ..flushing import flush_folder, write_whole
 from ..locks import FileLock
@@ -65,6 +64,8 @@ def _removed_unheld(folder: Path) -> str | None:
     leave it as it is when its lock cannot be taken (another process holds it): why, then."""
     if not folder.is_dir() or folder.is_symlink():  # gone, or a link: never followed (rmtree leaves it)
         return None
+    from ..core.disk.files import hold  # the engine loads with the first stream, not with `statekv serve --help`
+
     try:
         lock = hold(folder, None)
     except InputError as error:
