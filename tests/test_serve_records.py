@@ -171,12 +171,15 @@ def test_an_older_records_loss_is_said_on_the_page_in_frames_not_as_none_pushed(
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["save", "disk-tier file set"])
+@pytest.mark.parametrize("given", ["a path", "a bare name"])
 def test_a_stream_another_installation_owns_is_listed_without_the_servers_secret_path(qa, tmp_path, options,
-                                                                                     monkeypatch, disk):
+                                                                                     monkeypatch, disk, given):
     """A damaged stream's reason names no server path (docs/serving.md). Before: one whose owner another
     installation recorded named this server's secret file, its full path, to the client, and the file set's
-    reason was cut short in the middle of the `statekv reown` command it gives."""
-    secret = tmp_path / "secrets" / "second.secret"
+    reason was cut short in the middle of the `statekv reown` command it gives. A secret file given by a bare name
+    (relative to where the server runs) is not taken for that path wherever the word is said."""
+    monkeypatch.chdir(tmp_path)
+    secret = tmp_path / "secrets" / "second.secret" if given == "a path" else "owner"
     served = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier")) if disk else options
     monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "first.secret"))
     with Running(tmp_path / "state", qa, options=served) as server, server.client() as client:
@@ -187,6 +190,7 @@ def test_a_stream_another_installation_owns_is_listed_without_the_servers_secret
     assert listed["state"] == "damaged" and "another statekv installation" in listed["damaged"], listed
     assert str(tmp_path) not in listed["damaged"] and "secrets" not in listed["damaged"], listed
     assert "--owner NAME" in listed["damaged"], listed
+    assert "its owner was recorded by another statekv installation" in listed["damaged"], listed
 
 
 def test_a_save_made_with_another_setup_is_answered_as_sound_by_a_server_alone(qa, tmp_path, options):
