@@ -205,6 +205,7 @@ class FileVideo(Video):
         self.name = printable(path)
         self._frame_rate: float | None = None  # measured by a demux pass, when the container gives no count
         self._uneven = False  # the same pass found its frames' times unevenly spaced
+        self._frames_end: float | None = None  # the same pass found where its frames end (seconds from the first)
         self._restarts = 0  # the same pass found its frames' times going back this often (parts joined end to end)
         self.hole: tuple[float, float] | None = None  # the first hole in its frames' times a reading found (`Holes`)
         with self._open() as container:
@@ -234,6 +235,8 @@ class FileVideo(Video):
             # without a frame count has neither but guesses: there the spacing of its frames' times tells)
             own = None if self._frame_rate else stream.base_rate or stream.guessed_rate
             self.variable_rate = self._uneven or bool(own) and not 0.95 < self.fps / float(own) < 1.05
+            if self.variable_rate and own and stream.codec_context.has_b_frames:
+                self._time_by_frames(container, stream)
         self.turn = self._first_turn()
         if self.turn.sideways:
             self.width, self.height = self.height, self.width
@@ -270,6 +273,15 @@ class FileVideo(Video):
             finally:
                 frames.close()
 
+    def _time_by_frames(self, container: Any, stream: Any) -> None:
+        """An MP4 or MOV header times its stream to its last decoding time: with B-frames at a variable rate, that
+        is frames before its last one is shown (seconds before, after a slow stretch), so sampling by it never reached
+        the last seconds. Its frames' own times, from a demux pass (`_count_packets`), say where they end."""
+        self._count_packets(container, stream)
+        if self._frames_end is not None and self._frames_end > self.duration:
+            self.duration = self._frames_end
+            self.fps = self.num_frames / self.duration
+
     def _frame_count(self, container: Any, stream: Any) -> int:
         """The stream's own count when it agrees with its duration at its average rate, else its packets counted
         (`_count_packets`): an MP4 trimmed by an edit list (``ffmpeg -ss 1 -c copy``, a phone's trim) keeps in its
@@ -286,7 +298,7 @@ class FileVideo(Video):
         shown left out), which also finds where the file's content ends (`content_end`: a header's duration may count
         an audio stream longer than the video). Times that start again are made continuous (`Continuous`, from
         each stream's decoding times)."""
-        count, end, shown, timelines = 0, None, [], {}
+        count, end, frames_end, shown, timelines = 0, None, None, [], {}
         period = 1 / float(stream.average_rate or stream.guessed_rate or 1)
         try:
             for packet in container.demux():
@@ -303,11 +315,14 @@ class FileVideo(Video):
                     end = ends if end is None else max(end, ends)
                     if packet.stream.index == stream.index:
                         shown.append(float(at * packet.time_base) + offset)
+                        frames_end = ends if frames_end is None else max(frames_end, ends)
         except av.FFmpegError as error:
             raise VideoError(f"{self.name}: cannot read packets ({_short(error)})") from None
         if end is not None:
             self.content_end = end - (container.start_time or 0) / av.time_base
         self._restarts = timelines[stream.index].restarts if stream.index in timelines else 0
+        if frames_end is not None:
+            self._frames_end = frames_end - float((stream.start_time or 0) * (stream.time_base or 0))
         shown.sort()  # packets come in decoding order
         if count > 1 and len(shown) > 1 and shown[-1] > shown[0]:
             self._frame_rate = (count - 1) / (shown[-1] - shown[0])  # what the frames' own times say
