@@ -103,15 +103,28 @@ def test_a_watch_opened_while_frames_wait_for_their_batch_is_dated_by_the_last_f
     """Before: its first event had no time (None), and after a load so had a new watch's, so one timed by
     ``every_seconds`` came due at the next step whatever the time."""
     stream = qa.stream(max_fps=None, vision_batch=4)
-    push(stream, frames, 0, 6)  # frames 0-3 encoded at 0-3 s, 4 and 5 waiting for their batch
+    push(stream, frames, 0, 6)  # frames 0-3 encoded at 0-3 s, 4 and 5 waiting for their batch: encoded first
     watch = stream.watch(COUNT, every_seconds=3.0)
-    assert (watch.events[0].frame, watch.events[0].seconds, watch.last_seconds) == (4, 3.0, 3.0)
+    assert (watch.events[0].frame, watch.events[0].seconds, watch.last_seconds) == (6, 5.0, 5.0)
+    push(stream, frames, 6, 8)  # waiting for their batch as the stream is saved
     loaded = statekv.Stream.load(stream.save(tmp_path / "s.safetensors"), qa)
-    assert loaded.encoded_timestamp == 3.0 and loaded.watches[0].last_seconds == 3.0
+    assert loaded.encoded_timestamp == 5.0 and loaded.watches[0].last_seconds == 5.0
     other = loaded.watch(COLOUR, every=4)
-    assert (other.events[0].frame, other.events[0].seconds) == (4, 3.0)
+    assert (other.events[0].frame, other.events[0].seconds) == (8, 7.0)
     for each in (stream, loaded):
         each.close()
+
+
+def test_a_watch_first_answers_from_every_frame_a_question_would_read(qa, frames):
+    """Before: opened while complete steps waited for their vision batch, its first answer was evaluated without
+    them (none at all with fewer frames than a batch: no answer, no event), where `ask` encodes them first."""
+    stream = qa.stream(max_fps=None, vision_batch=4)
+    push(stream, frames, 0, 3)  # three complete steps, waiting for their batch of four
+    watch = stream.watch(COUNT, every=2)
+    assert stream.frames == 3 and not stream.pending
+    assert watch.evaluations == 1 and [(event.frame, event.seconds) for event in watch.events] == [(3, 2.0)]
+    assert watch.answer == stream.ask(COUNT, max_new_tokens=watch.max_new_tokens)
+    stream.close()
 
 
 def test_every_seconds_counts_stream_time(qa, frames):

@@ -13,7 +13,8 @@ Families that put several frames in one step (Qwen3-VL: two) hold a pushed frame
 step of a finished video would be).
 
 With ``vision_batch`` frames per vision-tower call (`VideoQA.stream`, default 1), pushed frames wait until a
-batch is complete, so a frame waits for at most one batch; `ask` first encodes every complete step waiting.
+batch is complete, so a frame waits for at most one batch; `ask` and `watch` first encode every complete step
+waiting.
 
 `push` copies a frame that waits, so a camera loop may reuse one buffer. One stream is used by one thread at a
 time: `push`, `flush`, `ask` and `save` from different threads take turns (a per-stream lock), each seeing the
@@ -254,6 +255,7 @@ class Stream(EncodedVideo):
         attention; default: the VideoQA's, True unless made with ``steer=False``)."""
         self.prefill.check_open()
         self.start()
+        self.flush_complete_steps()  # as `ask`: its first answer reads every frame a complete step holds
         return open_watch(self, question, every=every, every_seconds=every_seconds, max_new_tokens=max_new_tokens,
                           retrieve=default_retrieve(self) if retrieve is METHOD_DEFAULT else retrieve,
                           retrieval=retrieval, steer=self.qa.steer if steer is None else steer)

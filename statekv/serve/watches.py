@@ -102,6 +102,7 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
     with stream.lock:
         if hasattr(stream, "start"):
             stream.start()
+        stream.flush_complete_steps()  # as a question does: its first answer reads every complete step taken
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
                            steer=stream.qa.steer, retrieve=default_retrieve(stream))
