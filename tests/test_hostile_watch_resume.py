@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
 from types import SimpleNamespace
 
@@ -210,3 +211,35 @@ def test_a_backlog_longer_than_one_part_arrives_whole_in_order_each_event_once(t
                            params=[("last_event_id", sent[0][0]), ("last_event_id", sent[1][0])], timeout=10)
         assert twice.status_code == 400 and list(twice.json()) == ["error"]
         assert twice.json()["error"]["message"] == "last_event_id is given 2 times; give it once"
+
+
+def test_after_a_kill_the_frames_pushed_again_send_their_events_under_new_ids_to_a_client_past_the_save(
+        tmp_path, qa, pictures):
+    """A server killed after sending events its stream's save does not hold (the save at frame 6, events at 9 and
+    later) brings the stream back at 6; the frames pushed again are evaluated again. Before: their events had the
+    ids sent before the kill, so a client back with the last id it read (past 6) was sent none of them, and one back
+    before the frames were pushed again was sent ids it had read (the numbering began again). Now each run of a
+    stream's events after such a kill is numbered anew: a client is sent each new event once, in order, and none
+    it read again."""
+    state, killed = tmp_path / "state", tmp_path / "killed"
+    with Running(state, qa) as server, server.client() as client:  # saved at frame 6 as it stops
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches",
+                            json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"]
+        push(client, stream_id, pictures, 3, 6)
+    with Running(state, qa) as server, server.client() as client:
+        push(client, stream_id, pictures, 6, 15)
+        before = _sent(client, stream_id, [watch])
+        read = followed(server, stream_id, len(before), f"0.{watch}")  # what a client read before the kill
+        assert [data for _, data in read] == [data for _, data in before] and read[-1][1]["frame"] > 6
+        shutil.copytree(state, killed)  # killed here: its save holds frame 6
+    with Running(killed, qa) as server, server.client() as client:
+        push(client, stream_id, pictures, 6, 15)  # pushed again
+        every = followed(server, stream_id, len(_sent(client, stream_id, [watch])), f"0.{watch}")
+        again = [(key, data) for key, data in every if data["frame"] > 6]
+        assert [data for _, data in again] == [data for _, data in before if data["frame"] > 6]
+        assert not {key for key, _ in again} & {key for key, _ in read}  # none under an id sent before
+        assert followed(server, stream_id, len(again), read[-1][0]) == again  # past the save: sent them all
+        kept = [item for item in read if item[1]["frame"] <= 6]
+        assert followed(server, stream_id, len(kept) - 1 + len(again), kept[0][0]) == kept[1:] + again

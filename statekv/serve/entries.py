@@ -49,6 +49,8 @@ class StreamEntry:
     from_save: bool = False  # brought back from its save (whose watches it then holds), not from a file set
     lost: dict[str, int] | None = None  # what its record had seen that this start brought it back without
     # (`lost_at_start`)
+    event_runs: list[dict[str, Any]] = field(default_factory=list)  # the runs its watch events were made in, as
+    # their ids say (`statekv.serve.watches.new_run`)
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -190,7 +192,7 @@ class StreamEntry:
                 "seen": {"pushed": self.stream.pushed, "frames": self.stream.frames},  # as the record is written
                 "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
                 "saved_watches": sorted(self.saved_watches),
-                "watch_order": watch_order(self.stream), **page_fields(self)}
+                "watch_order": watch_order(self.stream), "event_runs": self.event_runs, **page_fields(self)}
 
 
 @dataclass

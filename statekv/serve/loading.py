@@ -21,7 +21,7 @@ from .entries import ANSWERS, DamagedStream, Quarantined, StreamEntry, lost_at_s
 from .errors import public_message, reason_of
 from .page_record import recall_page
 from .stream_settings import StreamSettings
-from .watches import recall, with_saved_events
+from .watches import kept_runs, new_run, recall, with_saved_events
 
 log = logging.getLogger("statekv.serve")
 
@@ -114,14 +114,18 @@ class StreamLoader:
             with contextlib.suppress(Exception):
                 entry.stream.close()
             raise
-        if not healing and (entry.record()["tier"] != data.get("tier") or data.get("stopped") or entry.lost):
+        runs = kept_runs(data.get("event_runs"))
+        # a server killed may have sent events of frames it lost: made again, they are a new run's (`new_run`)
+        entry.event_runs = runs if healing else new_run(runs, entry.stream)
+        if not healing:
+            moved = entry.record()["tier"] != data.get("tier")
             try:  # its new file set named; a stop's mark cleared, since pushes from now on are its file set's alone;
-                # a loss said once: the counts it notes are the stream's now
+                # a loss said once: the counts it notes are the stream's now; a new run of its events numbered
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:
                 log.error("cannot record stream %s's new disk-tier folder, or that it runs again: %s", entry.id,
                           error)
-                return False
+                return not moved
         return True
 
     def resume_tier(self, qa: Any, data: dict[str, Any], ids: dict[str, Any], healing: bool = False) -> Stream | None:

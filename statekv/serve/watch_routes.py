@@ -4,10 +4,11 @@
 ``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them; ``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question",
 "every", "events": [{"frame", "seconds", "answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
 watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
-"seconds", "answer"}``, ``id: {frame}.{watch}``), a comment every `KEEPALIVE_SECONDS` in between, until the
-client leaves, the stream is deleted or the server stops (`statekv.serve.server.AppServer`). A client that follows
-again with the last id it read as ``Last-Event-ID`` (or ``?last_event_id=``, for a first connection that cannot set
-headers) is first sent the kept events it missed, read and written off the event loop and sent a part at a time.
+"seconds", "answer"}``, ``id: {frame}.{watch}``, or ``{run}:{frame}.{watch}`` once a restart brought it back:
+`event_id`), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves, the stream is deleted or the
+server stops (`statekv.serve.server.AppServer`). A client that follows again with the last id it read as
+``Last-Event-ID`` (or ``?last_event_id=``, for a first connection that cannot set headers) is first sent the kept
+events it missed, read and written off the event loop and sent a part at a time.
 """
 
 from __future__ import annotations
@@ -122,13 +123,13 @@ def _resumed_from(request: Request) -> tuple[str | None, str]:
     return (queried[0] if queried else None), "last_event_id"
 
 
-async def _events(entry, follower, hub, request: Request, after: tuple[int, str] | None) -> Any:
+async def _events(entry, follower, hub, request: Request, after: tuple[int, int, str] | None) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
         resent: set[str] = set()  # also queued if made while they were read
         if after is not None:
             # a long history's backlog is gathered and written off the event loop, others answered meanwhile
-            parts, resent = await run_in_threadpool(_backlog, entry.stream, after)
+            parts, resent = await run_in_threadpool(_backlog, entry, after)
             for part in parts:
                 yield part
                 await asyncio.sleep(0)  # a reader that keeps up never makes a write wait: let others in between
@@ -151,24 +152,25 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, str]
                 message = "this client fell too far behind the stream's events; follow again"
                 yield "event: error\ndata: " + json.dumps({"error": {"message": message}}) + "\n\n"
                 return
-            if resent and event_id(item) in resent:
+            if resent and event_id(item, entry.event_runs) in resent:
                 continue
-            yield _watch_event(item)
+            yield _watch_event(item, entry.event_runs)
     finally:
         hub.leave(follower)
 
 
-def _backlog(stream: Any, after: tuple[int, str]) -> tuple[list[str], set[str]]:
-    """The events a follower of ``stream`` missed since ``after`` (`missed_events`): their server-sent text in parts
-    of `BACKLOG_EVENTS`, oldest first, and their ids."""
-    missed = missed_events(stream, after)
-    parts = ["".join(_watch_event(item) for item in missed[start:start + BACKLOG_EVENTS])
+def _backlog(entry: Any, after: tuple[int, int, str]) -> tuple[list[str], set[str]]:
+    """The events a follower of ``entry``'s stream missed since ``after`` (`missed_events`): their server-sent text
+    in parts of `BACKLOG_EVENTS`, oldest first, and their ids."""
+    runs = entry.event_runs
+    missed = missed_events(entry.stream, after, runs)
+    parts = ["".join(_watch_event(item, runs) for item in missed[start:start + BACKLOG_EVENTS])
              for start in range(0, len(missed), BACKLOG_EVENTS)]
-    return parts, {event_id(item) for item in missed}
+    return parts, {event_id(item, runs) for item in missed}
 
 
-def _watch_event(item: dict) -> str:
-    return "event: watch\nid: " + event_id(item) + "\ndata: " + json.dumps(item) + "\n\n"
+def _watch_event(item: dict, runs: list) -> str:
+    return "event: watch\nid: " + event_id(item, runs) + "\ndata: " + json.dumps(item) + "\n\n"
 
 
 def _gone(entry: Any) -> FeedEnd | None:

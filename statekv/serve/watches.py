@@ -4,7 +4,8 @@ stream's events (server-sent events at ``GET /v1/streams/{id}/events``).
 
 A stream's watches live in its `Stream` (evaluated inside its pushes, on the model's thread) and in its record
 (``watches``: each one's settings, clock and the events its last save does not hold; ``watch_order``: the order
-they were opened in, the latest closed ones too), written when a watch is made or deleted and whenever the record is
+they were opened in, the latest closed ones too; ``event_runs``: the runs its events were made in, one a start, as
+their ids say: `new_run`), written when a watch is made or deleted and whenever the record is
 (saves, answers). A restarted server reopens them from the save and the record (`recall`), over the stream as it was
 brought back: a watch made after the stream's last save is reopened from its record all the same, one deleted after
 it stays deleted, and a record written after the save is turned back to the frames the save holds (its later events
@@ -38,6 +39,7 @@ MAX_WATCHES = 16  # per stream
 MAX_EVERY = 10**6
 MAX_QUESTION_CHARS = 8000
 QUEUED_EVENTS = 1000  # a follower that reads nothing for this many events is dropped
+KEPT_RUNS = 64  # the latest runs of a stream's events its record keeps (`new_run`)
 
 
 def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
@@ -208,41 +210,78 @@ def followed_event(watch: Watch, event: Any) -> dict[str, Any]:
     return {"watch": watch.id, "question": watch.question, **event.to_dict()}
 
 
-def event_id(item: dict[str, Any]) -> str:
-    """A watch event's server-sent ``id``: its frame and its watch, ``"12.w_0123abcd"``; a client that follows
-    again with it as ``Last-Event-ID`` (what a browser's ``EventSource`` sends when it reconnects) is first sent the
-    kept events it missed (`missed_events`)."""
-    return f"{item['frame']}.{item['watch']}"
+def event_id(item: dict[str, Any], runs: list[dict[str, Any]] = ()) -> str:
+    """A watch event's server-sent ``id``: its frame and its watch, ``"12.w_0123abcd"``, after the run it was made
+    in when that is not the stream's first (`event_run`): ``"2:12.w_0123abcd"``. A client that follows again with it
+    as ``Last-Event-ID`` (what a browser's ``EventSource`` sends when it reconnects) is first sent the kept events it
+    missed (`missed_events`)."""
+    run = event_run(runs, item["watch"], item["frame"])
+    return f"{run}:{item['frame']}.{item['watch']}" if run else f"{item['frame']}.{item['watch']}"
 
 
-def last_seen(value: str | None, name: str = "Last-Event-ID") -> tuple[int, str] | None:
-    """The frame and watch of a ``Last-Event-ID`` header (an `event_id`; ``name``: where it was given), None
+def event_run(runs: list[dict[str, Any]], watch_id: str, frame: int) -> int:
+    """The run an event of watch ``watch_id`` at ``frame`` was made in: the latest of ``runs`` (`new_run`) whose
+    start the event comes after (past the watch's last event kept then; any event of a watch opened since), else 0.
+    Ids ordered by run, frame and watch are ordered as the events were sent, across restarts."""
+    for run in reversed(runs):
+        if frame > run["cuts"].get(watch_id, -1):
+            return run["run"]
+    return 0
+
+
+def new_run(recorded: Any, stream: Any) -> list[dict[str, Any]]:
+    """The runs of a stream's events (``recorded``: its record's ``event_runs``) and one that starts now, the stream
+    brought back by a start: after a kill, the frames it lost, pushed again (or others in their place), are
+    evaluated again, and their events get ids (`event_id`) that none sent before the kill had, so a client that read
+    those is sent these as new, and none it read twice. ``cuts``: each open watch's last event kept (0: none); its
+    later events, and those of a watch opened since, are this run's. The latest `KEPT_RUNS`."""
+    cuts = {watch.id: (watch.events[-1].frame if watch.events else 0) for watch in stream.watches}
+    runs = [{"run": run["run"], "cuts": {key: frame for key, frame in run["cuts"].items() if key in cuts}}
+            for run in kept_runs(recorded)]  # the closed watches' events are sent no more
+    return [*runs, {"run": runs[-1]["run"] + 1 if runs else 1, "cuts": cuts}][-KEPT_RUNS:]
+
+
+def kept_runs(recorded: Any) -> list[dict[str, Any]]:
+    """The runs a record's ``event_runs`` names (`new_run`), those malformed left out: none unless in order."""
+    runs = [run for run in recorded if _is_run(run)] if isinstance(recorded, list) else []
+    return runs if [run["run"] for run in runs] == sorted({run["run"] for run in runs}) else []
+
+
+def _is_run(run: Any) -> bool:
+    return (isinstance(run, dict) and type(run.get("run")) is int and run["run"] > 0
+            and isinstance(run.get("cuts"), dict)
+            and all(isinstance(key, str) and type(frame) is int for key, frame in run["cuts"].items()))
+
+
+def last_seen(value: str | None, name: str = "Last-Event-ID") -> tuple[int, int, str] | None:
+    """The run, frame and watch of a ``Last-Event-ID`` header (an `event_id`; ``name``: where it was given), None
     without one; a one-line 400 for anything else."""
     if value is None or not value.strip():
         return None
-    frame, _, watch_id = value.strip().partition(".")
-    if not (frame.isascii() and frame.isdigit()) or not watch_id or len(value) > 200:
+    head, _, watch_id = value.strip().partition(".")
+    run, _, frame = head.rpartition(":")
+    if (not all(part.isascii() and part.isdigit() for part in (frame, run or "0")) or not watch_id
+            or len(value) > 200):
         raise ServiceError(400, f"{name} must be the id of an event of this stream (frame.watch, as in "
-                                f"'12.w_0123abcd'), got {shown(value[:80])}")
-    return int(frame), watch_id
+                                f"'12.w_0123abcd', or run:frame.watch), got {shown(value[:80])}")
+    return int(run or 0), int(frame), watch_id
 
 
-def missed_events(stream: Any, after: tuple[int, str]) -> list[dict[str, Any]]:
+def missed_events(stream: Any, after: tuple[int, int, str], runs: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The kept events of ``stream``'s open watches that come after the event ``after`` (`last_seen`), oldest
-    first, as they were sent: a frame's events in the order the watches were opened (`Watches.places`), one deleted
-    since placed where it stood (after a restart too: `watch_order`). A client that saw an event of a watch the
-    stream does not know (closed before the latest `statekv.api.watch.KEPT_PLACES`, or never its own) is sent
-    every event of that frame again."""
-    frame, watch_id = after
+    first, as they were sent: by run (``runs``: `event_run`), then frame, a frame's events in the order the watches
+    were opened (`Watches.places`), one deleted since placed where it stood (after a restart too: `watch_order`). A
+    client that saw an event of a watch the stream does not know (closed before the latest
+    `statekv.api.watch.KEPT_PLACES`, or never its own) is sent every event of that frame again."""
+    run, frame, watch_id = after
     watching = stream.watching
     if watching is None:
         return []
     places = dict(watching.places)  # as they stand now: the model's thread may open or close one meanwhile
-    cut = (frame, places.get(watch_id, -1))
-    missed = [((event.frame, places[watch.id]), followed_event(watch, event))
-              for watch in list(watching.open) if watch.id in places
-              for event in list(watch.events) if (event.frame, places[watch.id]) > cut]
-    return [item for _, item in sorted(missed, key=lambda pair: pair[0])]
+    cut = (run, frame, places.get(watch_id, -1))
+    missed = [((event_run(runs, watch.id, event.frame), event.frame, places[watch.id]), followed_event(watch, event))
+              for watch in list(watching.open) if watch.id in places for event in list(watch.events)]
+    return [item for key, item in sorted(missed, key=lambda pair: pair[0]) if key > cut]
 
 
 class FeedEnd:
