@@ -315,6 +315,7 @@ class _Replay:
             else:
                 self.warn_cut_short(stream.last_timestamp, video)
             stream.flush()
+            stop_point()  # one swallowed as the video's end was read, or as its last frames were encoded
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
             if not stream.frames:
                 raise
@@ -374,6 +375,7 @@ class _Replay:
                 head = f"[{time:7.2f} s, {self.stream.frames} frames] Q: "
                 asked = question.replace("\n", "\n" + " " * len(head))  # its options under its first line
                 print(f"{head}{asked}{mark}\n{'':>21}A: {answer}", flush=True)
+            stop_point()  # a Ctrl-C a library swallowed while the question was answered: the last frame's is past
 
     def stopped(self, error: BaseException) -> None:
         """Keep what was streamed before ``error`` (with --save; on the disk tier its folder keeps it) and say where,

@@ -175,6 +175,7 @@ def _write_set(out: Path, making: dict[str, Any], resumed: bool, overwrite: bool
             os.replace(partial, out / relative)
         if progress is not None:
             progress(index + 1, videos)
+    stop_point()  # one a library swallowed as the last video was written: the set is finished by the next make
     flush_folder(out / VIDEO_DIR)  # the videos' names, before a question file names them
     manifest = {"generator": "statekv.synthetic", "version": FORMAT_VERSION, "seed": seed, "videos": videos,
                 "num_frames": num_frames, "questions": len(rows), "streaming": streaming,

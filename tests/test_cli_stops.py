@@ -1,0 +1,69 @@
+"""Commands stopped where their work ends: a stop a library swallowed after the last stop point of a loop, what a
+resumed stream says it lost, a first demo stopped and run again."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+
+import pytest
+
+import statekv
+from statekv.cli import main
+from statekv.testing import make_tiny_checkpoint, write_test_video
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stops")
+    return {"model": make_tiny_checkpoint("internvl", root / "internvl"),
+            "video": write_test_video(root / "clip.mp4", frames=40, fps=8)}  # 5 s
+
+
+def swallowing(called):
+    """``called``, which takes a Ctrl-C as it begins and swallows it, as numpy's ``Generator.choice`` of a list
+    does with one landing in it."""
+    def call(*args, **kwargs):
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        return called(*args, **kwargs)
+
+    return call
+
+
+def test_a_ctrl_c_swallowed_as_a_make_writes_its_last_video_stops_it(tmp_path, monkeypatch, capsys):
+    """Before: the last video had no stop point after it: the make wrote the question file and exited 0."""
+    import statekv.synthetic.benchmark as benchmark
+
+    written = benchmark.write_video
+    monkeypatch.setattr(benchmark, "write_video", lambda plan, path: (
+        swallowing(written) if path.name.startswith("v0001") else written)(plan, path))
+    out = tmp_path / "set"
+    argv = ["synthetic", "make", "--out", str(out), "--videos", "2", "--seed", "1", "--frames", "12"]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == (f"statekv synthetic: interrupted; 2 of 2 videos written in {out}; "
+                                               "rerun the same command to go on")
+    assert not (out / "questions.jsonl").exists()
+    monkeypatch.setattr(benchmark, "write_video", written)
+    assert main(argv) == 0 and (out / "questions.jsonl").is_file()
+    assert "(2 of them written by the make this one went on from)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["ask", "flush"])
+def test_a_ctrl_c_swallowed_after_the_last_frame_stops_the_stream(files, tmp_path, monkeypatch, capsys, where):
+    """Before: a Ctrl-C swallowed as a question timed after the last frame was answered (or as the last frames were
+    encoded) reached no stop point: the run asked every question left and exited 0. Now the answer being made is
+    printed, the stream saved and the stop said, once."""
+    monkeypatch.setattr(statekv.Stream, where, swallowing(getattr(statekv.Stream, where)))
+    saved = tmp_path / "kept.safetensors"
+    code = main(["stream", str(files["video"]), "--model", str(files["model"]), "--max-new-tokens", "1", "--json",
+                 "--save", str(saved), "--ask", "9:Why?", "--ask", "10:Who?"])
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.strip().splitlines()]
+    assert code == 130 and captured.err.strip().splitlines()[-1] == (
+        f"statekv stream: interrupted; the 5 frames streamed before it were saved to {saved}"), captured.err
+    assert captured.err.count("interrupted") == 1
+    asked = [line["question"] for line in lines if line["event"] == "answer"]
+    assert asked == (["Why?"] if where == "ask" else [])  # the answer under way is printed, no later one is asked
+    assert lines[-1]["event"] == "summary" and lines[-1]["saved"] == str(saved) and saved.is_file()
