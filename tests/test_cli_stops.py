@@ -67,3 +67,32 @@ def test_a_ctrl_c_swallowed_after_the_last_frame_stops_the_stream(files, tmp_pat
     asked = [line["question"] for line in lines if line["event"] == "answer"]
     assert asked == (["Why?"] if where == "ask" else [])  # the answer under way is printed, no later one is asked
     assert lines[-1]["event"] == "summary" and lines[-1]["saved"] == str(saved) and saved.is_file()
+
+
+def test_a_resumed_folder_whose_last_frames_were_not_durable_says_they_are_streamed_again(files, tmp_path,
+                                                                                         monkeypatch, capsys, caplog):
+    """Before: `--resume FOLDER` of a run killed with frames waiting for their batch printed the library's warning
+    that they "are lost", though the replay pushes them again from the video, and the stream ended whole."""
+    import shutil
+
+    pushes, push, killed = [], statekv.Stream.push, tmp_path / "killed"
+
+    def pushing(stream, *args, **kwargs):
+        pushes.append(1)
+        if len(pushes) == 7:  # 4 frames streamed, 2 waiting for their batch: the folder as a kill -9 now leaves it
+            shutil.copytree(stream.folder, killed, ignore=shutil.ignore_patterns("lock"))
+            raise KeyboardInterrupt
+        return push(stream, *args, **kwargs)
+
+    monkeypatch.setattr(statekv.Stream, "push", pushing)
+    argv = ["stream", str(files["video"]), "--model", str(files["model"]), "--max-fps", "2", "--offload", "disk",
+            "--offload-dir", str(tmp_path / "tier"), "--vision-batch", "4", "--json"]
+    assert main(argv) == 130
+    monkeypatch.setattr(statekv.Stream, "push", push)
+    capsys.readouterr()
+    assert main([*argv, "--resume", str(killed)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"statekv stream: --resume {killed}: the 2 frames pushed after the 4 it holds were "
+                                    f"not durable when its run ended; they are streamed again from {files['video']}")
+    assert json.loads(captured.out.strip().splitlines()[-1])["stats"]["frames"] == 10
+    assert "lost" not in caplog.text

@@ -498,14 +498,19 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         if stream.max_fps is not None:
             stream.next_tick = tick(stream.last_timestamp, stream.max_fps) + 1
     reopen_watches(stream, folder, journal.after)
-    stream.frames_lost = frames_lost(journal.after, stream.pushed)
+    stream.frames_lost, durable = frames_lost(journal.after, stream.pushed), stream.pushed
     clock = next((record[CLOCK] for record in reversed(journal.after) if CLOCK in record), None)
     if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed
             and type(clock[1]) in (int, float) and clock[1] >= (stream.last_timestamp or 0.0)):
         stream.pushed, stream.last_timestamp = clock[0], float(clock[1])  # frames dropped after the last kept
     if stream.frames_lost:
-        log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost",
-                    stream.name, folder, stream.frames, stream.frames_lost)
+        # pushable again: the clock stands before them (after a close it may stand past them; a command replaying a
+        # file, which pushes them again then, says so instead of this line)
+        again = stream.pushed == durable
+        log.warning("%s: resumed from %s at frame %d; %d frame(s) pushed after it were not durable and are lost%s",
+                    stream.name, folder, stream.frames, stream.frames_lost,
+                    " (the stream goes on from before them: push them again to keep them)" if again else "",
+                    extra={"frames_lost": stream.frames_lost, "pushable_again": again})
     else:
         log.info("%s: resumed from %s at frame %d, nothing lost", stream.name, folder, stream.frames)
     return stream

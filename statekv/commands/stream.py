@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import re
@@ -177,7 +178,12 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
     each: another video's stream, another --max-fps, another --max-frames); the stream is closed on a refusal."""
     from ..api.stream import Stream
 
-    stream = Stream.load(args.resume, qa)  # a folder's watches reopened as its close kept them
+    again = _PushedAgain()  # the library's line calls them lost: this run pushes them again from the video
+    logging.getLogger("statekv").addFilter(again)
+    try:
+        stream = Stream.load(args.resume, qa)  # a folder's watches reopened as its close kept them
+    finally:
+        logging.getLogger("statekv").removeFilter(again)
     problem = None
     if not same_video(stream.name, video_name):
         problem = f"it is a stream of {stream.name}, not of {video_name}"
@@ -191,7 +197,26 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
     if problem is not None:
         stream.close()
         raise InputError(f"--resume {args.resume}: {problem}")
+    if again.frames:
+        print(f"statekv stream: --resume {args.resume}: the {again.frames} frame{'s' * (again.frames != 1)} pushed "
+              f"after the {stream.frames} it holds were not durable when its run ended; they are streamed again from "
+              f"{video_name}", file=sys.stderr, flush=True)
     return stream
+
+
+class _PushedAgain(logging.Filter):
+    """Holds back the warning of a resumed file set whose frames not durable can be pushed again (`frames`: how
+    many; 0 when none), which a replay of the video does."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "pushable_again", False):
+            self.frames = int(record.frames_lost)
+            return False
+        return True
 
 
 def same_video(recorded: str, given: str) -> bool:
