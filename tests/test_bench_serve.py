@@ -498,9 +498,10 @@ def test_a_stop_while_the_local_server_starts_leaves_no_server_and_no_folder(mon
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent's death is signalled on Linux")
-def test_a_bench_killed_outright_leaves_no_server_of_its_own_running():
+def test_a_bench_killed_outright_leaves_no_server_of_its_own_running(tmp_path):
     # SIGKILL (the OOM killer, `timeout -s KILL`) runs no handler of the bench: its server must not be left behind,
-    # holding its model's memory and its port, for good
+    # holding its model's memory and its port, for good. Its temporary folder goes under tmp_path (before: one more
+    # statekv-bench-* folder in /tmp at every run)
     import os
     import signal
 
@@ -519,7 +520,8 @@ def test_a_bench_killed_outright_leaves_no_server_of_its_own_running():
             return False
 
     bench = subprocess.Popen([sys.executable, "-c", "from statekv.bench.server import LocalServer\n"
-                              "with LocalServer(['--model', 'builtin']):\n    pass"], cwd=ROOT)
+                              "with LocalServer(['--model', 'builtin']):\n    pass"], cwd=ROOT,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 10
         while not (server := children(bench.pid)) and time.monotonic() < deadline and bench.poll() is None:
@@ -534,6 +536,7 @@ def test_a_bench_killed_outright_leaves_no_server_of_its_own_running():
         if left:
             os.kill(server[0], signal.SIGKILL)
         assert not left, "the bench's server outlived it"
+        assert [path.name[:14] for path in tmp_path.iterdir()] == ["statekv-bench-"]  # its folder, not /tmp's
     finally:
         if bench.poll() is None:
             bench.kill()
