@@ -96,3 +96,29 @@ def test_a_resumed_folder_whose_last_frames_were_not_durable_says_they_are_strea
                                     f"not durable when its run ended; they are streamed again from {files['video']}")
     assert json.loads(captured.out.strip().splitlines()[-1])["stats"]["frames"] == 10
     assert "lost" not in caplog.text
+
+
+@pytest.mark.parametrize("order", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGTERM"), ("SIGHUP", "SIGINT", "SIGINT")])
+def test_a_server_stopped_by_sigterm_then_ctrl_c_ends_as_stopped_by_sigterm(order):
+    """Before: uvicorn raises the signals it caught again last first, so SIGTERM then a Ctrl-C (to cut the graceful
+    wait short) exited 130, and the other order 143. A SIGTERM or SIGHUP outranks a Ctrl-C, as in every command."""
+    import uvicorn
+
+    from statekv.serve.server import AppServer
+    from statekv.stopping import Stopped, signals_stop_like_ctrl_c
+
+    server = AppServer.__new__(AppServer)  # its signal handling alone: no app
+    uvicorn.Server.__init__(server, uvicorn.Config(app=None))
+    numbers = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {number: signal.getsignal(number) for number in numbers}  # put back after the test
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt) as raised, signals_stop_like_ctrl_c(), server.capture_signals():
+            for name in order:
+                signal.raise_signal(getattr(signal, name))
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert isinstance(raised.value, Stopped) and raised.value.signal_number == getattr(signal, order[0].replace(
+        "SIGINT", "SIGTERM"))
+    assert server.force_exit == (order[0] != "SIGINT")  # a Ctrl-C after a SIGTERM still cuts the graceful wait short

@@ -3,9 +3,10 @@ of watch events (``GET /v1/streams/{id}/events``), which never ends of itself an
 graceful shutdown until its timeout, then be cancelled with a traceback; and every feed of a video file, which
 ends at its next frame, answering how to go on. Answers being given may finish until shortly before the graceful
 shutdown's timeout (`ANSWER_MARGIN_SECONDS`); those still running then stop at their next token, answering with a
-one-line 503, rather than be cancelled; a second Ctrl-C stops them at once, and the streams are still saved as the app
-shuts down. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM
-does, gracefully, unless it was started ignoring SIGHUP (``nohup``)."""
+one-line 503, rather than be cancelled; a second Ctrl-C (or one after a SIGTERM) stops them at once, and the streams
+are still saved as the app shuts down. A SIGHUP (the terminal closed) stops it as uvicorn's SIGTERM does, gracefully,
+unless it was started ignoring SIGHUP (``nohup``); a second SIGTERM or SIGHUP changes nothing. It exits as stopped by
+the first SIGTERM or SIGHUP it caught (143, 129), a Ctrl-C after or before it notwithstanding; else 130."""
 
 from __future__ import annotations
 
@@ -66,3 +67,7 @@ class AppServer(uvicorn.Server):
             finally:  # before uvicorn puts its own back and raises what it captured again
                 for number, handler in previous.items():
                     signal.signal(number, handler)
+                # uvicorn raises them again last first, and the first raised is the stop: a SIGTERM or SIGHUP outranks
+                # a Ctrl-C (one pressed after it to cut the graceful wait short), as in every statekv command
+                stopping = [number for number in self._captured_signals if number != signal.SIGINT]
+                self._captured_signals[:] = stopping[:1] or self._captured_signals[:1]
