@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,30 @@ def test_a_server_stopped_by_sigterm_then_ctrl_c_ends_as_stopped_by_sigterm(orde
     assert isinstance(raised.value, Stopped) and raised.value.signal_number == getattr(signal, order[0].replace(
         "SIGINT", "SIGTERM"))
     assert server.force_exit == (order[0] != "SIGINT")  # a Ctrl-C after a SIGTERM still cuts the graceful wait short
+
+
+def test_a_first_demo_stopped_while_it_writes_its_videos_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """Before: the first run wrote its set in a temporary folder that the stop removed, though its line said to rerun
+    the command to go on: the next run wrote every video again."""
+    import statekv.synthetic.benchmark as benchmark
+    from statekv.commands.demo import DEMO_SET, demo_set
+
+    monkeypatch.setenv("STATEKV_CACHE", str(tmp_path))
+    written, write = [], benchmark.write_video
+
+    def writing(plan, path):
+        written.append(path.name)
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        return write(plan, path)
+
+    monkeypatch.setattr(benchmark, "write_video", writing)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        demo_set(4)
+    (note,) = stopped.value.__notes__
+    folder = note.split(" videos written in ")[1].split(";")[0]
+    assert note.startswith("2 of 4 videos written") and len(list((Path(folder) / "videos").glob("v*.mp4"))) == 2
+    videos = demo_set(4)
+    assert written[3:] == ["v0002.partial.mp4", "v0003.partial.mp4"]  # the two missing, no more
+    assert len(videos) == 4 and all(video.is_file() for video, _ in videos)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{DEMO_SET}-4"]

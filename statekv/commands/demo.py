@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -174,12 +175,14 @@ def demo_set(count: int) -> list[tuple[Path, list[dict]]]:
     from statekv.eval.loaders import load_synthetic
     from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
 
+    name = f"{DEMO_SET}-{count}"
+
     def build(path: Path) -> None:
-        progress(f"writing {_count(count, 'held-out synthetic video')} to {cache_dir() / path.name} (first run only)")
+        progress(f"writing {_count(count, 'held-out synthetic video')} to {cache_dir() / name} (first run only)")
         line = ProgressLine("statekv demo: ")  # thousands of videos take minutes
         make_benchmark(path, videos=count, seed=DEMO_SEED, progress=lambda done, total: line(done, total, "written"))
 
-    folder = _cached(f"{DEMO_SET}-{count}", build)
+    folder = _cached(name, build)
     load_synthetic(folder)  # every row checked (a damaged cached set is one line, not a wrong table)
     rows = read_table(folder / QUESTIONS_FILE)
     videos: dict[str, list[dict]] = {}
@@ -327,7 +330,8 @@ def _document(model, builtin, videos, questions, scored, growths, families, draw
 
 
 def _cached(name: str, build) -> Path:
-    """``cache_dir() / name``, built once; a half-built item never appears under its name."""
+    """``cache_dir() / name``, built once; a half-built item never appears under its name: it is built as
+    ``name.partial`` beside it, which a build that was stopped leaves for the next to go on with."""
     target = cache_dir() / name
     if target.exists():
         return target
@@ -337,12 +341,12 @@ def _cached(name: str, build) -> Path:
     except OSError as error:
         raise OutputError(f"cannot write statekv's cache in {target.parent} ({error.strerror or error}); set "
                           "STATEKV_CACHE to a writable folder") from None
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / name
-        build(built)
-        try:
-            built.rename(target)
-        except OSError:  # another process got there first
-            if not target.exists():
-                raise
+    built = target.parent / f"{name}.partial"
+    build(built)
+    try:
+        built.rename(target)
+    except OSError:  # another process got there first
+        if not target.exists():
+            raise
+        shutil.rmtree(built, ignore_errors=True)
     return target
