@@ -218,12 +218,13 @@ def report_unreadable(error: VideoError, questions: int, where: str = "") -> Non
 
 def feed_clip(stream: Any, clip: str, pushed: float, max_fps: float, until: float) -> float:
     """Push the frames of ``clip`` (a prefix of the stream's source) after the one pushed last (at ``pushed``
-    seconds) up to ``until`` seconds (a question's time, rounded up: what `statekv eval` shows it, whatever the
-    clip holds past it); return the timestamp of the last frame pushed."""
+    seconds) and before ``until`` seconds (a question's time, rounded up), until the stream has encoded one: what
+    `statekv eval` shows it (`statekv.eval.answering.answer_streamed`), whatever the clip holds from ``until`` on;
+    return the timestamp of the last frame pushed."""
     from statekv.video import open_video
 
     for frame in open_video(clip).sample_at_rate(max_fps):
-        if frame.timestamp > until + 1e-6:
+        if frame.timestamp + 1e-6 >= until and stream.frames:
             break
         if frame.timestamp > pushed + 1e-6:
             stream.push(frame)
