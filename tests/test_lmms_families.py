@@ -43,3 +43,13 @@ def test_a_clip_running_past_its_time_shows_what_a_clip_cut_at_it_shows(family, 
     (at_cut,) = answers(model, [{**asked, "clip": str(cut)}])
     (past,) = answers(model, [{**asked, "clip": str(source)}])
     assert past == at_cut
+
+
+def test_a_disk_tier_stream_leaves_no_files_once_its_questions_are_answered(tiny_checkpoint, tmp_path):
+    """Before: each source's stream kept its disk-tier file set (its whole detailed cache) under offload_dir after
+    its questions, for a `Stream.load` no run makes: a run over a benchmark filled the disk."""
+    offload = tmp_path / "offload"
+    model = model_of(tiny_checkpoint, "qwen3_vl", f",offload=disk,offload_dir={offload}")
+    clip = write_still_seconds_video(tmp_path / "clip.mp4", 4)
+    (answer,) = answers(model, [{"video": "source.mp4", "realtime": 3.5, "question": "What?", "clip": str(clip)}])
+    assert isinstance(answer, str) and list(offload.iterdir()) == []

@@ -67,9 +67,9 @@ from statekv.eval import ovobench
 from statekv.eval.answering import room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
-from statekv.eval.lmms_inputs import (before_stops, feed_clip, greedy_only, max_new_tokens, messages_of,
-                                     model_args_from_string, passed_on, report_unreadable, sampling, stop_strings,
-                                     unread)
+from statekv.eval.lmms_inputs import (before_stops, discarded, feed_clip, greedy_only, max_new_tokens,
+                                     messages_of, model_args_from_string, passed_on, report_unreadable, sampling,
+                                     stop_strings, unread)
 from statekv.eval.watching import VideoWatches
 from statekv.settings.options import ModelOptions
 from statekv.settings.values import (Option, check_question, integer, optional_text, parse_options, positive_int,
@@ -334,7 +334,7 @@ class StateKV(_Base):
         pushed = -math.inf
         watches = VideoWatches([], None)
         left = Counter((ask.key[0], ask.prompt) for ask in source_asks if isinstance(ask.key, tuple))
-        with stream:
+        with discarded(stream):
             try:
                 for ask in sorted(source_asks, key=lambda ask: ask.seconds):  # stable: ties keep request order
                     pushed = feed_clip(stream, ask.video, pushed, self.max_fps, math.ceil(ask.seconds))
