@@ -388,3 +388,15 @@ def test_a_real_time_ovobench_run_of_an_earlier_statekv_resumes_with_groups_real
     with pytest.raises(ConfigurationError, match="holds a run with no groups recorded \\(its run.json predates it: "
                                                  "taken as groups=\\['realtime'\\]\\), not None"):
         check_run_file(EvalConfig.for_model("ovobench", "m", tmp_path, tmp_path / "run"), [], write=False)
+
+
+@pytest.mark.parametrize("mode", ["streaming", "offline"])
+def test_an_evaluation_on_the_disk_tier_leaves_no_file_sets_behind(tmp_path, mode, capsys):
+    """Before: every stream an evaluation made (one a video streaming, one a question offline) left its disk-tier
+    file set, its whole detailed cache, under --offload-dir; an evaluation never resumes one."""
+    data, offload = tmp_path / "data", tmp_path / "offload"
+    make_benchmark(data, videos=1, seed=13, streaming=True, num_frames=12)
+    assert main(["eval", "synthetic", "--mode", mode, "--model", "builtin", "--data-root", str(data), "--out",
+                 str(tmp_path / "run"), "--no-progress", "--offload", "disk", "--offload-dir", str(offload)]) == 0
+    assert ev.run_records(tmp_path / "run")
+    assert not list(offload.iterdir())

@@ -27,8 +27,10 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import shutil
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +169,7 @@ def answer_streamed(asker: Asker, video: VideoQuestions, *, max_fps: float,
     due = _Schedule(in_order if len(in_order) == len(asked) else [*replay, *video.questions],
                     watch=build_prompt_for(asker), quiet={question.qid for question in replay})
     clock = _Clock()
-    with stream:
+    with discarded(stream):
         clock.start()
         for frame in source.sample_at_rate(max_fps):
             while due and stream.frames and frame.timestamp + TIME_TOLERANCE >= due.next_second:
@@ -198,8 +200,8 @@ def answer_afresh(asker: Asker, video: VideoQuestions, *, max_fps: float,
         limit = min(second, source.duration + 1)
         frames = max(1, math.ceil(min(second, source.duration) * max_fps)) + 1
         clock = _Clock()
-        with asker.qa.stream(horizon_frames=frames, max_fps=max_fps, name=source.name,
-                             reserve_tokens=asker.room_for(room)) as stream:
+        with discarded(asker.qa.stream(horizon_frames=frames, max_fps=max_fps, name=source.name,
+                                       reserve_tokens=asker.room_for(room))) as stream:
             clock.start()
             for frame in source.sample_at_rate(max_fps):
                 if stream.frames and frame.timestamp + TIME_TOLERANCE >= limit:
@@ -208,6 +210,19 @@ def answer_afresh(asker: Asker, video: VideoQuestions, *, max_fps: float,
             stream.flush()
             clock.stop()
             yield from due.ask_next(asker, stream, clock.seconds, mode="afresh")
+
+
+@contextmanager
+def discarded(stream: Any) -> Iterator[Any]:
+    """``stream``, closed at the end and its disk-tier file set (``offload="disk"``) removed: a stream made to answer
+    questions is never resumed, and its folder holds its whole detailed cache."""
+    folder = getattr(stream, "folder", None)  # a `RecentFrames` (SimpleStream) has none
+    try:
+        with stream:
+            yield stream
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def past_the_end(questions: Sequence[Question], duration: float) -> list[Question]:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import functools
 import numbers
-import shutil
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from statekv.errors import ConfigurationError, InputError, VideoError, VideoNotFoundError
@@ -232,16 +230,3 @@ def feed_clip(stream: Any, clip: str, pushed: float, max_fps: float, until: floa
             stream.push(frame)
             pushed = frame.timestamp
     return pushed
-
-
-@contextmanager
-def discarded(stream: Any) -> Iterator[Any]:
-    """``stream``, closed at the end and its disk-tier file set (``offload="disk"``) removed: a stream made to answer
-    a task's questions is never resumed, and its folder holds its whole detailed cache."""
-    folder = getattr(stream, "folder", None)  # a `RecentFrames` (SimpleStream) has none
-    try:
-        with stream:
-            yield stream
-    finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)

@@ -64,10 +64,10 @@ from typing import Any
 
 from statekv.errors import ConfigurationError, InputError, StateKVError, VideoError
 from statekv.eval import ovobench
-from statekv.eval.answering import room_for_prompts
+from statekv.eval.answering import discarded, room_for_prompts
 from statekv.eval.distributed import RankContext
 from statekv.eval.lmms_inputs import DEFAULT_MAX_NEW_TOKENS  # noqa: F401  the plugin's name for it too
-from statekv.eval.lmms_inputs import (before_stops, discarded, feed_clip, greedy_only, max_new_tokens,
+from statekv.eval.lmms_inputs import (before_stops, feed_clip, greedy_only, max_new_tokens,
                                      messages_of, model_args_from_string, passed_on, report_unreadable, sampling,
                                      stop_strings, unread)
 from statekv.eval.watching import VideoWatches
