@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -23,9 +24,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import StateKVError
+from .errors import ConfigurationError, StateKVError
 from .stopping import Stopped, notes_kept, signals_stop_like_ctrl_c, stop_of  # Stopped: what commands catch
 from .settings.values import POSITIVE_FLOAT, POSITIVE_INT
+
+
+def check_extra(extra: str, modules: tuple[str, ...], what: str) -> None:
+    """A one-line `ConfigurationError` naming the extra to install where one of ``modules`` (top-level names) is
+    not installed, before anything starts."""
+    missing = next((name for name in modules if not _installed(name)), None)
+    if missing is not None:
+        raise ConfigurationError(f"{what} needs the {extra} extra ({missing} is missing): pip install "
+                                 f"'statekv[{extra}]' (in a checkout: pip install -c constraints.txt -e '.[{extra}]')")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a module put in sys.modules without a spec
+        return False
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, every_frame: str | None = None) -> None:

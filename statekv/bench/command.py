@@ -14,7 +14,7 @@ import urllib.parse
 from dataclasses import replace
 from typing import Any
 
-from ..console import omp_threads
+from ..console import check_extra, omp_threads
 from ..errors import ConfigurationError
 from ..plotting import check_plot_file
 from ..settings.options import ModelOptions
@@ -129,18 +129,13 @@ def server_options(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_extra("serve", ("httpx", "prometheus_client"), "statekv bench serve")
     from .cameras import Cameras
     from .load import LoadSettings
     from .server import LocalServer, ServerError
     from .summary import (Targets, default_progress, failure_lines, machine, nothing_through, plot, table,
                           write_json)
 
-    try:
-        import httpx  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as error:
-        raise ConfigurationError(f"statekv bench serve needs the serve extra ({error.name} is missing): pip install -c "
-                                 "constraints.txt -e \".[serve]\"") from None
     ModelOptions.from_args(args)  # every model option checked before anything starts
     model_flags = server_options(args)
     started_only = model_flags + (["--server-threads"] if args.server_threads is not None else [])

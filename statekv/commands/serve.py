@@ -95,8 +95,15 @@ RAY_FLAGS = ("replicas", "max_replicas", "scale_on", "scale_target", "lease_seco
              "replica_gpus")
 
 
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")  # what the server imports of the serve extra
+PAGE_MODULES = ("nicegui",)  # and the page's (not imported under --no-page)
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..console import quiet_libraries
+    from ..console import check_extra, quiet_libraries
+
+    # else a traceback, the page's only after the model has loaded
+    check_extra("serve", SERVER_MODULES + (PAGE_MODULES if args.page else ()), "statekv serve")
     from ..serve import create_app
     from ..serve.server import AppServer
 
@@ -265,8 +272,8 @@ def cluster_settings(args: argparse.Namespace):
     try:
         from ..serve.cluster.deployment import ClusterSettings
     except ImportError as error:
-        raise ConfigurationError(f"--ray needs Ray Serve ({error.name or error} is missing): pip install -c "
-                                 "constraints.txt -e \".[ray]\"") from None
+        raise ConfigurationError(f"--ray needs Ray Serve ({error.name or error} is missing): pip install "
+                                 "'statekv[ray]' (in a checkout: pip install -c constraints.txt -e '.[ray]')") from None
     if args.store is not None:
         _check_store(args.store)
     if args.state_dir is None and args.store is None:
