@@ -88,8 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="declare the stream for at most N frames: its horizon (default: none; positions stay "
                              "inside the model's range however long it runs)")
     parser.add_argument("--save", metavar="FILE", default=None,
-                        help="save the stream at the end, or when it stops early (resume with --resume FILE); "
-                             "checked before the model loads")
+                        help="save the stream at the end, or when it stops early (resume with --resume FILE; a "
+                             "frame left waiting for its partner, Qwen3-VL's lone last one, is saved waiting, so a "
+                             "resume pairs it as a run over the whole video does); checked before the model loads")
     parser.add_argument("--resume", metavar="PATH", default=None,
                         help="go on with a stream of this VIDEO saved by --save (a file) or kept on the disk tier (its "
                              "folder), given the model options it was made with (its own --vision-batch goes on, and "
@@ -260,6 +261,7 @@ class _Replay:
         self.args, self.options, self.stream, self.save = args, options, stream, save
         self.folder: Path | None = getattr(stream, "folder", None)  # its disk-tier file set's
         self.closed = False
+        self.saved: tuple[Path, str | None] | None = None  # where --save went before the last flush, and why there
         self.questions = sorted(args.ask, key=lambda item: item[0])
         if stream.last_timestamp is not None:  # resumed: what was streamed before was asked then
             before = [time for time, _ in self.questions if time < stream.last_timestamp]
@@ -339,6 +341,7 @@ class _Replay:
                 stop_point()  # a Ctrl-C a library swallowed while the frame was decoded
             else:
                 self.warn_cut_short(stream.last_timestamp, video)
+            self.save_waiting()
             stream.flush()
             stop_point()  # one swallowed as the video's end was read, or as its last frames were encoded
         except CacheLimitError:  # refused at the cap: the questions left are answered from what it holds
@@ -360,6 +363,16 @@ class _Replay:
             raise
         self.ask_due(math.inf)  # questions at or after the end see the whole video (or what the cap let in)
         self.warn_unwatched()
+
+    def save_waiting(self) -> None:
+        """With --save, frames still waiting for their step or batch (Qwen3-VL's lone last frame) are saved waiting,
+        before the flush encodes them for this run's last questions: a --resume of the video grown since pairs such a
+        frame with the next one, as a run over the whole video does, instead of going on from it repeated."""
+        if self.save is not None and self.stream.pending:
+            try:
+                self.saved = save_or_rescue(self.stream, self.save)
+            except OutputError:
+                pass  # nowhere to write it: `finish` tries again and says so, after the last answers
 
     def warn_stopped(self, horizon: int, seconds: float, duration: float | None) -> None:
         """One line on stderr for the questions timed after the frame the horizon stopped the stream at (those past
@@ -413,7 +426,7 @@ class _Replay:
         where, problem, kept = None, None, None
         if self.save is not None:
             try:
-                where, problem = save_or_rescue(self.stream, self.save)
+                where, problem = self.saved or save_or_rescue(self.stream, self.save)
                 kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
                     f" (not to {self.save}: {problem})" if problem else "")
             except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
@@ -462,7 +475,8 @@ class _Replay:
         return None
 
     def finish(self) -> None:
-        where, problem = save_or_rescue(self.stream, self.save) if self.save is not None else (None, None)
+        where, problem = (self.saved or save_or_rescue(self.stream, self.save) if self.save is not None
+                          else (None, None))
         closing = self.close_folder() if self.folder is not None else None
         self.summary(where, problem)
         if problem:
