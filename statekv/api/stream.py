@@ -215,7 +215,11 @@ class Stream(EncodedVideo):
 
     @_one_at_a_time
     def flush(self) -> None:
-        """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition)."""
+        """Encode frames still waiting for their step or batch (an incomplete step is completed by repetition).
+
+        A frame encoded so stays alone: frames pushed after it pair from the next one, so the stream is no longer
+        one never flushed over the same frames. Flush where the video ends: `ask` and `watch` need no flush, and
+        `save` (a disk-tier stream's `close` too) keeps the frames waiting for `load` to pair on."""
         if self.pending:
             self.encode_pending()
 
