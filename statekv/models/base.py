@@ -131,6 +131,19 @@ class LayoutState:
         return cls(**data)
 
 
+TIME_ORIGIN = "time_origin"  # `LayoutState.extra`: the time a prompt counts its video's seconds from, unless 0
+
+
+def shown_seconds(frames: Sequence[Frame], state: LayoutState) -> tuple[list[float], dict[str, Any]]:
+    """The seconds a prompt shows for a step's ``frames`` streamed after ``state``: counted from the video's first
+    frame (an epoch's timestamps, a live camera's, show as a file's do, from 0), and what the step fixes of
+    `LayoutState.extra` (that first frame's time, at the first frame's step, unless 0). A state holding frames but no
+    origin counts from 0: a video whose first frame is at 0, or one saved before the origin was kept, as it did."""
+    origin = state.extra.get(TIME_ORIGIN, frames[0].timestamp if state.frames == 0 else 0.0)
+    fixed = {TIME_ORIGIN: origin} if state.frames == 0 and origin else {}
+    return [frame.timestamp - origin for frame in frames], fixed
+
+
 class VideoAdapter(ABC):
     """One model family: prompt layout, per-chunk vision encoding, positions and decoding.
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from ..errors import InputError, UnsupportedModelError
 from ..video import IMAGENET_MEAN, IMAGENET_STD, Frame, internvl_pixel_values
-from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
+from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures, shown_seconds
 from .checkpoint_files import normalisation, square_side
 from .registry import register_adapter
 
@@ -40,6 +40,7 @@ class InternVLAdapter(VideoAdapter):
     family = "internvl"
     model_types = ("internvl",)
     layouts = ("paper", "chat")
+    shows_times = False  # whether `frame_text` writes the frame's time (which the stream's state then counts from)
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, layout: str | None = None,
                  image_size: int = 448, image_mean: Sequence[float] = IMAGENET_MEAN,
@@ -126,12 +127,14 @@ class InternVLAdapter(VideoAdapter):
 
     @torch.no_grad()
     def features_chunk(self, step: PreparedFrames, features: VisualFeatures, state: LayoutState) -> Chunk:
-        ids = self.tokenize(self.frame_text(state.frames, step.frames[0].timestamp))
+        seconds, origin = shown_seconds(step.frames, state)
+        ids = self.tokenize(self.frame_text(state.frames, seconds[0]))
         embeds = self.language_embeddings(ids)
         slots = (ids == self.image_token_id).unsqueeze(-1)
         embeds = embeds.masked_scatter(slots, features.embeds.to(embeds.device, embeds.dtype))
         return Chunk(input_ids=ids, inputs_embeds=embeds, position_ids=None,
-                     next_position=state.next_position + ids.shape[1], frames=1)
+                     next_position=state.next_position + ids.shape[1], frames=1,
+                     state_update=origin if self.shows_times else {})
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         if self.layout == "paper":

@@ -7,7 +7,8 @@ Prompt layout (what ``Qwen3VLProcessor`` makes of the chat template's video item
     question    <|vision_end|> question <end of the user turn, assistant opening>      (the outer end)
 
 One chunk is one temporal patch of ``frames_per_step = 2`` sampled frames (a lone last frame is repeated,
-as the processor pads the last patch); ``t`` is the mean of the patch's first and last frame timestamps.
+as the processor pads the last patch); ``t`` is the mean of the patch's first and last frame timestamps, counted
+from the video's first frame (`shown_seconds`).
 Chunk boundaries sit next to special tokens, so tokenizing chunk by chunk gives the ids of the whole prompt.
 
 Positions: M-RoPE ``[4, 1, T]`` per chunk (a row of sequence indices, then the temporal / height / width rows
@@ -38,7 +39,7 @@ from ..core.answering.decoding import Prompt
 
 from ..errors import ConfigurationError, InputError, UnsupportedModelError
 from ..video import Frame, qwen_frame_size, qwen_pixel_values
-from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures
+from .base import Chunk, LayoutState, PreparedFrames, VideoAdapter, VisualFeatures, shown_seconds
 from .checkpoint_files import checkpoint_json, processor_chat_template
 from .registry import checkpoint_model_type, register_adapter
 
@@ -300,7 +301,8 @@ class Qwen3VLAdapter(VideoAdapter):
     def features_chunk(self, step: PreparedFrames, features: VisualFeatures, state: LayoutState) -> Chunk:
         """``<t seconds><|vision_start|>`` + n video pads + ``<|vision_end|>``, M-RoPE positions, DeepStack."""
         frames, embeds_in = step.frames, features.embeds
-        timestamp = (frames[0].timestamp + frames[-1].timestamp) / 2
+        seconds, origin = shown_seconds(frames, state)
+        timestamp = (seconds[0] + seconds[-1]) / 2
         pads = torch.full((1, embeds_in.shape[0]), self.video_token_id, device=self.device)
         ids = torch.cat([self.tokenize(f"<{timestamp:.1f} seconds>"), self._id(self.vision_start_id), pads,
                          self._id(self.vision_end_id)], dim=1)
@@ -313,7 +315,7 @@ class Qwen3VLAdapter(VideoAdapter):
         return Chunk(input_ids=ids, inputs_embeds=embeds, position_ids=positions,
                      next_position=int(positions[1:].max()) + 1, frames=sampled,
                      forward_kwargs={"visual_pos_masks": slots, "deepstack_visual_embeds": features.deepstack},
-                     state_update=step.state_update)
+                     state_update={**step.state_update, **origin})
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         """The outer ``<|vision_end|>``, the question, the end of the user turn and the assistant opening."""

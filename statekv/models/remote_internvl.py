@@ -14,8 +14,9 @@ Layouts (each frame is one chunk; the user turn comes from the tokenizer's chat 
 
 ``eagle`` (default for Eagle; what Eagle2.5's processor makes of a video item)
     ``The first video sampled with {fps:.2f} fps: `` (``The first video: `` when the rate is unknown), then per
-    frame ``Frame {i} sample at {t:.2f}s: <img>…</img>`` (``i`` from 1, ``t`` the frame's timestamp in
-    seconds), frames joined with nothing, the question right after the last ``</img>``.
+    frame ``Frame {i} sample at {t:.2f}s: <img>…</img>`` (``i`` from 1, ``t`` the frame's time in seconds from
+    the video's first frame, `shown_seconds`), frames joined with nothing, the question right after the last
+    ``</img>``.
 ``paper`` (default for internvl_chat; reproduces the paper)
     ``<img>…</img>\\n`` per frame before the chat-templated question, as `InternVLAdapter`.
 ``chat`` (InternVL's ``chat()`` video prompt)
@@ -75,6 +76,10 @@ class RemoteInternVLAdapter(InternVLAdapter):
             name = getattr(model, "template", None) or getattr(model.config, "template", None)
             raise InputError(f"this {model_type} checkpoint has no chat template (its remote code formats prompts "
                              f"with its own {name!r} conversation template); add a chat_template to its tokenizer")
+
+    @property
+    def shows_times(self) -> bool:
+        return self.layout == "eagle"
 
     @classmethod
     def default_layout(cls, model_type: str) -> str:
