@@ -30,10 +30,10 @@ def question(seed=0, steps=(3,) + (2,) * 63, heads=(4, 2), prompt=3, dim=8, plan
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, heads[1], sum(steps), dim, generator=generator)
     queries = torch.randn(1, heads[0], prompt, dim, generator=generator)
-    if plant is not None:  # one step's keys made to match the question strongly
-        ends = torch.tensor(steps).cumsum(0).tolist()
-        mean_query = queries.reshape(1, heads[1], -1, dim).mean(2)
-        keys[:, :, ends[plant] - steps[plant]: ends[plant]] = 10 * mean_query[:, :, None]
+    ends = torch.tensor(steps).cumsum(0).tolist()
+    mean_query = queries.reshape(1, heads[1], -1, dim).mean(2)
+    for step in () if plant is None else (plant,) if isinstance(plant, int) else plant:  # made to match strongly
+        keys[:, :, ends[step] - steps[step]: ends[step]] = 10 * mean_query[:, :, None]
     owner = torch.repeat_interleave(torch.arange(len(steps)), torch.tensor(steps))
     means = torch.stack([keys[:, :, owner == s].mean(2) for s in range(len(steps))], dim=2)
     samples = torch.stack([torch.cat([keys[:, :, owner == s], keys[:, :, owner == s][:, :, -1:].expand(
@@ -130,3 +130,19 @@ def test_the_flat_attention_rule_ignores_the_summaries_of_evicted_steps():
         given_back = LayerQuestion(**{**flat, "samples": samples, "step_means": means, "memory": {}})
         assert Retrieval(4, keep_tokens=3).choose(given_back) == kept, seed
         assert not set(kept) & evicted
+
+
+def test_a_layer_reads_the_steps_asked_for_when_the_best_segments_hold_none_it_may_choose():
+    """Segments none of whose steps may be chosen (kept whole as sinks, or evicted but for the sinks) are never
+    ranked: before, the best-matching of them took every place, and a layer asked for one step read none while
+    dozens were held."""
+    # 64 steps, 16 segments of 4, none open; steps 0-8 kept (sinks); 9-40 evicted (segments 3-9 wholly, 2 and 10
+    # but for their sinks and steps 41-43); the question matches segments 0-2 best
+    evicted = set(range(9, 41))
+    for rule in (AttentionShare(), MeanKeyMatch()):
+        memory = {}
+        for layer in range(3):
+            seen, _ = question(seed=layer, plant=(0, 5, 8), memory=memory)
+            seen = LayerQuestion(**{**seen.__dict__, "layer": layer, "evicted": evicted})
+            chosen = Retrieval(1, keep_tokens=3 + 2 * 8, rule=rule).choose(seen)
+            assert len(chosen) == 1 and chosen[0] >= 41, (rule.name, layer, chosen)

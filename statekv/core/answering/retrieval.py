@@ -337,19 +337,20 @@ class Retrieval:
         if not self.rule.hierarchical or index is None or per_segment < 1 or index.shape[2] <= expanded:
             return None
         complete = index.shape[2]
-        gone = evicted_segments(seen, complete)
-        if gone is not None and complete - int(gone.sum()) <= expanded:  # every segment left, not all streamed
-            best = set((~gone).nonzero().squeeze(1).tolist())
+        empty = segments_without_choices(seen, complete, first)
+        if complete - int(empty.sum()) <= expanded:  # every segment left with a step to choose
+            best = set((~empty).nonzero().squeeze(1).tolist())
         else:
+            # never ranked: a segment with no step to choose (kept whole, evicted) would take the place of one that
+            # has some, and a layer could read fewer than ``steps`` steps while more are held
             scores = self.rule.segment_scores(seen)
-            if gone is not None:  # their index rows were given back: never ranked
-                scores = scores.masked_fill(gone.to(scores.device), -math.inf)
+            scores = scores.masked_fill(empty.to(scores.device), -math.inf)
             best = set(scores.topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)
         if isinstance(total, torch.Tensor) and total.shape[0] == len(seen.steps):
             earlier = total.topk(min(self.steps, total.shape[0])).indices.tolist()
             best.update(s // per_segment for s in earlier
-                        if s // per_segment < complete and (gone is None or not gone[s // per_segment]))
+                        if s // per_segment < complete and not empty[s // per_segment])
         ranges = [torch.arange(g * per_segment, (g + 1) * per_segment) for g in sorted(best)]
         ranges.append(torch.arange(complete * per_segment, len(seen.steps)))
         steps = torch.cat(ranges)
@@ -415,6 +416,20 @@ def evicted_segments(seen: LayerQuestion, complete: int) -> torch.Tensor | None:
         for start, end in seen.evicted.runs():  # the segments a run covers whole
             made[-(-start // seen.segment_steps):min(end // seen.segment_steps, complete)] = True
     return made
+
+
+def segments_without_choices(seen: LayerQuestion, complete: int, first: int) -> torch.Tensor:
+    """``[G]`` bool: which of the ``complete`` segments hold no step a question may choose, every one of their
+    steps being before ``first`` (kept whole: the prompt prefix and sinks) or evicted."""
+    empty = evicted_segments(seen, complete)
+    empty = torch.zeros(complete, dtype=torch.bool) if empty is None else empty.clone()
+    per_segment = seen.segment_steps
+    split = first // per_segment  # the segment ``first`` lies in: kept before it, held or evicted from it
+    empty[:min(split, complete)] = True
+    if split < complete and first % per_segment:
+        end = (split + 1) * per_segment
+        empty[split] = seen.evicted.count_from(first) - seen.evicted.count_from(end) == end - first
+    return empty
 
 
 def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch.Tensor:
