@@ -143,6 +143,9 @@ def torch_dtype(value: object, name: str = "dtype"):
         raise ConfigurationError(f"unknown {name} {value!r}; use e.g. bfloat16, float16 or float32")
     if not resolved.is_floating_point:
         raise ConfigurationError(f"{name} must be a floating-point type (bfloat16, float16, float32), got {value!r}")
+    if resolved not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # float8 types: no model runs
+        raise ConfigurationError(f"{name} {value!r} is not one a model runs in: use bfloat16, float16, float32 or "
+                                 "float64 (for a float8 cache, kv_cache_dtype int8 or int4)")
     return resolved
 
 
