@@ -182,7 +182,7 @@ class MeanKeyMatch(RetrievalRule):
         starts = seen.step_starts
         groups = torch.arange(index.shape[2] + 1) * seen.segment_steps
         tokens = (starts[groups[1:]] - starts[groups[:-1]]).float().to(index.device)
-        means = index[..., 2 * dim:] / tokens[None, None, :, None]
+        means = segment_means(index, tokens[None, None, :, None])
         if seen.segment_turns is not None:
             means = rotate(means, seen.segment_turns.to(means.device).expand(*means.shape[:2], -1), seen.frequencies)
         mean_query = seen.queries.float().reshape(1, hkv, -1, dim).mean(dim=2).to(means.device)
@@ -365,7 +365,6 @@ class Retrieval:
             return None
         per_segment, most = seen.segment_steps, self.rule.keys_per_step
         index = seen.segments[0]  # [H_kv, G, 3 D]
-        dim = index.shape[-1] // 3
         expanded = torch.zeros(index.shape[1], dtype=torch.bool)
         expanded[candidates[candidates < index.shape[1] * per_segment] // per_segment] = True
         gone = evicted_segments(seen, index.shape[1])
@@ -374,7 +373,7 @@ class Retrieval:
         if rest.numel():
             starts = seen.step_starts
             tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
-            means = index[:, rest.to(index.device), 2 * dim:].float() / tokens.to(index.device)[None, :, None]
+            means = segment_means(index[:, rest.to(index.device)].float(), tokens.to(index.device)[None, :, None])
             if seen.segment_turns is not None:
                 means = rotate(means[None], seen.segment_turns[rest].to(means.device).expand(1, means.shape[0], -1),
                                seen.frequencies)[0]
@@ -440,6 +439,16 @@ def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch
         lengths = torch.diff(seen.step_starts[: segments * seen.segment_steps + 1]).double().clamp(max=most)
         counts = seen.memory[key] = lengths.reshape(segments, seen.segment_steps).sum(1)
     return counts[:segments]
+
+
+def segment_means(index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[..., G, D]`` each segment's mean key from its index rows ``[..., G, 3 D]`` (float32) and token counts
+    ``tokens`` (broadcast as ``[..., G, 1]``): the sum of its keys over them, or, in a channel where that sum
+    overflowed the model's dtype (float16: 4,096 tokens of keys above 16, as a key bias gives), the middle of the
+    segment's smallest and largest keys there."""
+    dim = index.shape[-1] // 3
+    means = index[..., 2 * dim:] / tokens
+    return torch.where(means.isfinite(), means, (index[..., :dim] + index[..., dim:2 * dim]) / 2)
 
 
 def segment_bounds(seen: LayerQuestion) -> torch.Tensor:
