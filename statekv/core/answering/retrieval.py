@@ -448,7 +448,7 @@ def segment_means(index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     segment's smallest and largest keys there."""
     dim = index.shape[-1] // 3
     means = index[..., 2 * dim:] / tokens
-    return torch.where(means.isfinite(), means, (index[..., :dim] + index[..., dim:2 * dim]) / 2)
+    return torch.where(means.isfinite(), means, (index[..., :dim].float() + index[..., dim:2 * dim].float()) / 2)
 
 
 def segment_bounds(seen: LayerQuestion) -> torch.Tensor:
