@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: ``GET /v1/models`` and ``POST /v1/chat/completions``.
+"""OpenAI-compatible routes: ``GET /v1/models`` (and ``/v1/models/{model}``) and ``POST /v1/chat/completions``.
 
 A user message with a ``video_url`` part (a ``file://`` URL under ``--media-root``; the last user message's, or
 else the latest earlier one's) is encoded with the server's default method settings and answered;
@@ -125,9 +125,14 @@ def model_name(body: dict, served: str) -> str:
         raise ServiceError(400, f"model must be a model's name (text of at most {MAX_MODEL_CHARS} characters), got "
                                 f"{shown(model) if not isinstance(model, str) else f'{len(model)} characters'}")
     if model != served:
-        raise ServiceError(404, f"model {shown(model)} is not served here: GET /v1/models names the one that is "
-                                f"({shown(served)})")
+        raise not_served(model, served)
     return served
+
+
+def not_served(model: str, served: str) -> ServiceError:
+    """The 404 of a ``model`` other than the one served."""
+    return ServiceError(404, f"model {shown(model)} is not served here: GET /v1/models names the one that is "
+                             f"({shown(served)})")
 
 
 def _is_greedy(value: Any, greedy: Any) -> bool:
@@ -201,11 +206,24 @@ def _parts(message: dict) -> tuple[list[str], list[Any]]:
 router = APIRouter()
 
 
+def model_card(service: Any) -> dict:
+    """The served model as OpenAI's API describes a model."""
+    return {"id": service.model_id, "object": "model", "created": service.started, "owned_by": "statekv"}
+
+
 @router.get("/v1/models")
 async def models(request: Request, service: Served) -> dict:
     service.keys.require(request)
-    return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": service.started,
-                                        "owned_by": "statekv"}]}
+    return {"object": "list", "data": [model_card(service)]}
+
+
+@router.get("/v1/models/{model:path}")  # a path: a checkpoint's id (``org/name``, a folder) holds slashes
+async def model(request: Request, service: Served, model: str) -> dict:
+    """The served model (the ``openai`` client's ``models.retrieve``); another name is a 404 naming it."""
+    service.keys.require(request)
+    if model != service.model_id:
+        raise not_served(model, service.model_id)
+    return model_card(service)
 
 
 def answer_length(body: dict[str, Any]) -> int:
