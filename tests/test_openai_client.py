@@ -5,6 +5,8 @@ before."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
@@ -55,3 +57,20 @@ def test_a_model_is_retrieved_by_its_id(served):
     assert '"gpt-4o"' in message and f'"{listed["id"]}"' in message, message
     assert "is not served" in _message(client.get("/v1/models/org%2Fname"), 404)  # the client escapes a slash
     assert _message(client.get(f"/v1/models/{listed['id']}", headers={"Authorization": "Bearer wrong"}), 401)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_chat_over_a_file_has_room_for_the_answer_length_it_asks(served, streamed):
+    """A file is encoded by the server for its chat, with room after it for the question and answer; that room was
+    the server's reserve whatever ``max_tokens`` asked, so an answer longer than the reserve less the question (any
+    ``max_tokens`` near 1024, the most allowed, under the default reserve of 1024) was a 413 telling the client to
+    ask a shorter question, after the whole file was encoded."""
+    client, url = served
+    body = {"model": "builtin", "max_tokens": RESERVE, "stream": streamed, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                      {"type": "text", "text": QUESTION}]}]}
+    answered = client.post("/v1/chat/completions", json=body)
+    assert answered.status_code == 200, answered.text[:300]
+    usage = answered.json()["usage"] if not streamed else \
+        json.loads(answered.text.split("data: [DONE]")[0].strip().splitlines()[-1][len("data: "):])["usage"]
+    assert 1 <= usage["completion_tokens"] <= RESERVE, usage

@@ -324,11 +324,13 @@ def stop_sequences(body: dict) -> list[str]:
 
 
 def _answer_file(service, path, question: str, max_new: int, streamer) -> dict[str, Any]:
-    """Encode a file with the server's default settings and answer (on the model's thread)."""
+    """Encode a file with the server's default settings and answer (on the model's thread). The room kept after
+    the video is the server's reserve for the question, and the answer's ``max_new`` tokens beside it."""
     kwargs = {"max_new_tokens": max_new, **answer_arguments(service.registry.answers_stopping, streamer)}
     try:
         check_answer(kwargs)
         with service.qa.encode(str(path), max_fps=1.0, max_frames=service.config.max_chat_frames,
+                               reserve_tokens=service.qa.reserve_tokens + max_new,
                                progress=lambda done, planned: check_answer(kwargs)) as video:  # stops between frames
             prompt = prompt_tokens(video, question, max_new)
             check_answer(kwargs)
