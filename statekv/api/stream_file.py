@@ -31,7 +31,8 @@ flushed to the disk, under the exclusive lock of ``<name>.lock`` (removed when t
 same file at the same time is refused with one line naming the holder. Just before the rename the save checks that
 ``<name>.lock`` is still the file it locked; if it was removed or replaced meanwhile (another save may then have
 taken it), the save is refused and the target is left as it was. What saves killed before their rename left is
-removed by the next save to the same file.
+removed by the next save to the same file. (Where ``<name>`` and those suffixes would pass the 255 bytes a file
+name may take, they follow its first 200 bytes and a digest of the whole instead.)
 """
 
 from __future__ import annotations
@@ -113,13 +114,13 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
                           f"saved stream holds ({MAX_METADATA_CHARS:,}); {UNCHANGED}")
     # a folder of its own: two saves never share one, even if the lock below is broken, and the temporary file
     # safetensors writes beside its target lies in it, so a save killed at any point leaves one thing to remove
-    partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
+    partial = path.with_name(f"{_stem(path)}.{secrets.token_hex(4)}.partial")
     written = partial / path.name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
-    lock = FileLock.acquire(path.with_name(path.name + ".lock"), what=f"{path} (being saved)",
+    lock = FileLock.acquire(path.with_name(_stem(path) + ".lock"), what=f"{path} (being saved)",
                             error=OutputError, advice="wait for that save to end, or save elsewhere",
                             remove=True)
     try:
@@ -149,11 +150,20 @@ def _lock_lost(path: Path) -> OutputError:
                        f"written, and another save may be writing there; {UNCHANGED}")
 
 
+def _stem(path: Path) -> str:
+    """What a save's lock and partial folder beside ``path`` are named after: its name, or, where that name and
+    their suffixes would pass the 255 bytes a file name may take, its start and a digest of the whole."""
+    name = os.fsencode(path.name)
+    if len(name) <= 255 - len(".00000000.partial"):
+        return path.name
+    return name[:200].decode("utf-8", "ignore") + "~" + hashlib.sha256(name).hexdigest()[:16]
+
+
 def _remove_stale_partials(path: Path) -> None:
     """Remove what saves to ``path`` killed before their rename left (``<name>.<hex>.partial``, a folder, or a
     file from before saves wrote in folders); called under its lock, so no live save's partial is among them."""
-    for stale in path.parent.glob(f"{glob.escape(path.name)}.*.partial"):
-        if PARTIAL.fullmatch(stale.name[len(path.name):]):
+    for stale in path.parent.glob(f"{glob.escape(_stem(path))}.*.partial"):
+        if PARTIAL.fullmatch(stale.name[len(_stem(path)):]):
             try:
                 if stale.is_dir() and not stale.is_symlink():
                     shutil.rmtree(stale)

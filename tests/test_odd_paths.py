@@ -1,0 +1,34 @@
+"""Unusual paths: names as long as a file system allows, names holding a newline or a tab, names a path cannot
+reach. Every one is saved to and loaded from as named, or refused in one line that shows it whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from statekv import Stream
+from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
+
+from hostile import noise_frames, small_qa
+
+
+@pytest.fixture(scope="module")
+def qa(tmp_path_factory):
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+    return small_qa(load_adapter(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def stream(qa):
+    stream = qa.stream(horizon_frames=8)
+    for index, frame in enumerate(noise_frames(2)):
+        stream.push(frame, float(index))
+    return stream
+
+
+def test_a_name_of_255_bytes_is_saved_to_and_loaded(qa, stream, tmp_path):
+    name = "é" * 121 + ".safetensors"  # 254 bytes: the save's lock and partial names beside it would pass 255
+    target = tmp_path / name
+    assert stream.save(target) == target
+    assert sorted(path.name for path in tmp_path.iterdir()) == [name]  # no lock nor partial folder left
+    assert Stream.load(target, qa).frames == 2
