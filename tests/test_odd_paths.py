@@ -6,15 +6,22 @@ from __future__ import annotations
 import pytest
 
 from statekv import Stream
+from statekv.api.reown import reown
+from statekv.cli import main
+from statekv.errors import InputError
 from statekv.models import load_adapter
-from statekv.testing import make_tiny_checkpoint
+from statekv.testing import make_tiny_checkpoint, write_test_video
 
 from hostile import noise_frames, small_qa
 
 
 @pytest.fixture(scope="module")
-def qa(tmp_path_factory):
-    checkpoint = make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("internvl") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def qa(checkpoint):
     return small_qa(load_adapter(checkpoint))
 
 
@@ -32,3 +39,14 @@ def test_a_name_of_255_bytes_is_saved_to_and_loaded(qa, stream, tmp_path):
     assert stream.save(target) == target
     assert sorted(path.name for path in tmp_path.iterdir()) == [name]  # no lock nor partial folder left
     assert Stream.load(target, qa).frames == 2
+
+
+def test_a_name_too_long_to_load_is_one_line(qa, checkpoint, tmp_path, capsys):
+    too_long = tmp_path / ("q" * 300)
+    with pytest.raises(InputError, match="File name too long"):
+        Stream.load(too_long, qa)
+    with pytest.raises(InputError, match="File name too long"):
+        reown(too_long)
+    video = write_test_video(tmp_path / "v.mp4", frames=2, fps=2)
+    assert main(["stream", str(video), "--model", str(checkpoint), "--resume", str(too_long)]) == 2
+    assert "File name too long" in capsys.readouterr().err

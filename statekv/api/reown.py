@@ -21,6 +21,7 @@ from ..core.disk.files import (FILE_SET, MANIFEST, READ_VERSIONS as SET_VERSIONS
 from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
+from ..settings.values import is_folder
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
 from .stream_file import FORMAT_VERSION as STREAM_VERSION, read_verified, write_verified
 from .stream_identity import check_owner, new_created, new_stream_id, ownership
@@ -32,7 +33,7 @@ def reown(path: str | Path, owner: str | None = None) -> Path:
     a stream's, an `OutputError` for one that cannot be written (nothing is changed then)."""
     check_owner(owner)
     path = Path(path)
-    if path.is_dir():
+    if is_folder(path):
         return _reown_file_set(path, owner)
     metadata, tensors = read_verified(path)
     metadata.pop("checksums")  # written afresh

@@ -22,6 +22,7 @@ from ..core.cache.persistence import check_state_dict
 from ..core.stream.prefill import cache_geometry
 from .durability import loaded_record, resume_stream
 from ..settings.engine import HANDOVER, EngineSettings
+from ..settings.values import is_folder
 from .handover import OWN_LAYOUT, resumed_engine
 from .stats import EncodingStats
 from .watch_saving import records as watch_records, restore as restore_watches, tensors as watch_tensors
@@ -100,7 +101,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     settings ``engine`` (checked against those it was saved with; its positions are the saved stream's)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"the stream to load must be a path (its file, or its disk tier's folder), got {path!r}")
-    if Path(path).is_dir():
+    if is_folder(path):
         return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
                              engine=engine)
     metadata, tensors = read_verified(path)

@@ -20,7 +20,8 @@ from ..errors import (CacheLimitError, ConfigurationError, FrameDecodeError, Hor
 from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
-from ..settings.values import LARGEST_INT, POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, shown
+from ..settings.values import (LARGEST_INT, POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, is_folder,
+                               shown)
 from ..stopping import note_kept, stop_point, whole
 
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if save is not None and save.is_file() and save.stat().st_size:
         check_replaceable(save)
     video = open_video(args.video)  # check the file before loading the model
-    if args.resume is not None and not Path(args.resume).exists():
+    if args.resume is not None and not (is_folder(args.resume) or os.path.exists(args.resume)):
         raise InputError(f"--resume {args.resume}: no such file or folder")
     warn_past_the_end(args.ask, video.duration)
     warn_free_form("stream", args.model, [question for _, question in [*args.ask, *args.watch]])

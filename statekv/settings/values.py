@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,13 @@ def is_finite_number(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def printable(path: Any) -> str:
+    """``path`` with each character a line cannot show (a newline, say) escaped: a one-line error naming it keeps
+    what it says after it."""
+    text = str(path)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def shown(value: object, limit: int = 80) -> str:
@@ -173,6 +181,18 @@ def check_output_dir(path: str | os.PathLike, name: str) -> Path:
         raise OutputError(f"{name} {path} exists and is not a folder")
     _check_creatable_in(path, name, path)
     return path
+
+
+def is_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder (False: missing, or something else); a one-line `InputError` where the system
+    cannot tell (a name too long, a link loop, a folder on the way that cannot be entered), which ``Path.is_dir``
+    raises as a bare `OSError`."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as error:
+        raise InputError(f"{printable(path)}: {error.strerror or type(error).__name__}") from None
 
 
 def _exists(path: Path, name: str, target: Path) -> bool:

@@ -29,7 +29,7 @@ from .continuity import Continuous
 from .images import decode_image, rgb_image
 from .orientation import AS_STORED, Turn, display_turn
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
-from ..settings.values import HIGHEST_FPS
+from ..settings.values import HIGHEST_FPS, printable
 from .sampling import sample_at_rate, source_frame_indices, uniform_frame_indices
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
@@ -489,13 +489,6 @@ def _shown(path: Path) -> str:
     """``path`` as a message shows it: on one line (`printable`), a very long one cut in its middle."""
     text = printable(path)
     return text if len(text) <= 200 else f"{text[:120]}...{text[-60:]} ({len(text)} characters)"
-
-
-def printable(path: Any) -> str:
-    """``path`` with each character a line cannot show (a newline, say) escaped: a one-line error naming it keeps
-    what it says after it."""
-    text = str(path)
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _open_image_folder(folder: Path, *, fps: float) -> ImageSequenceVideo:
