@@ -50,3 +50,14 @@ def test_a_name_too_long_to_load_is_one_line(qa, checkpoint, tmp_path, capsys):
     video = write_test_video(tmp_path / "v.mp4", frames=2, fps=2)
     assert main(["stream", str(video), "--model", str(checkpoint), "--resume", str(too_long)]) == 2
     assert "File name too long" in capsys.readouterr().err
+
+
+def test_a_path_holding_a_newline_is_shown_whole_on_one_line(checkpoint, tmp_path, capsys):
+    video = write_test_video(tmp_path / "v.mp4", frames=2, fps=2)
+    target = video / "new\nfolder" / "s.safetensors"  # a folder cannot be made in a file
+    assert main(["stream", str(video), "--model", str(checkpoint), "--save", str(target)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "new\\nfolder" in error and "is a file" in error, error
+    assert main(["stream", str(video), "--model", str(checkpoint), "--resume", str(tmp_path / "a\nb")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "a\\nb: no such file or folder" in error, error

@@ -21,7 +21,7 @@ from ..settings.methods import method, retrieval_rule
 from ..settings.options import ModelOptions
 from ..user_cache import cache_dir
 from ..settings.values import (LARGEST_INT, POSITIVE_INT, STREAM_RATE, check_output_file, format_bytes, is_folder,
-                               shown)
+                               printable, shown)
 from ..stopping import note_kept, stop_point, whole
 
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         check_replaceable(save)
     video = open_video(args.video)  # check the file before loading the model
     if args.resume is not None and not (is_folder(args.resume) or os.path.exists(args.resume)):
-        raise InputError(f"--resume {args.resume}: no such file or folder")
+        raise InputError(f"--resume {printable(args.resume)}: no such file or folder")
     warn_past_the_end(args.ask, video.duration)
     warn_free_form("stream", args.model, [question for _, question in [*args.ask, *args.watch]])
     quiet_libraries()
@@ -188,7 +188,7 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
         logging.getLogger("statekv").removeFilter(again)
     problem = None
     if not same_video(stream.name, video_name):
-        problem = f"it is a stream of {stream.name}, not of {video_name}"
+        problem = f"it is a stream of {printable(stream.name)}, not of {video_name}"
     elif stream.max_fps is None:
         problem = "it was pushed with no frame rate (max_fps=None), which only Python's Stream.load resumes"
     elif stream.max_fps != args.max_fps:
@@ -198,11 +198,11 @@ def resumed(args: argparse.Namespace, qa, video_name: str):
         problem = f"it was made with {made}, not --max-frames {args.max_frames}"
     if problem is not None:
         stream.close()
-        raise InputError(f"--resume {args.resume}: {problem}")
+        raise InputError(f"--resume {printable(args.resume)}: {problem}")
     if again.frames:
-        print(f"statekv stream: --resume {args.resume}: the {again.frames} frame{'s' * (again.frames != 1)} pushed "
-              f"after the {stream.frames} it holds were not durable when its run ended; they are streamed again from "
-              f"{video_name}", file=sys.stderr, flush=True)
+        print(f"statekv stream: --resume {printable(args.resume)}: the {again.frames} "
+              f"frame{'s' * (again.frames != 1)} pushed after the {stream.frames} it holds were not durable when its "
+              f"run ended; they are streamed again from {video_name}", file=sys.stderr, flush=True)
     return stream
 
 
@@ -435,8 +435,8 @@ class _Replay:
         elif self.folder is not None:
             kept = self.closed_folder()
         elif self.args.resume is not None:  # resumed from a file, and nothing names where to keep what followed
-            kept = (f"the frames streamed since --resume {self.args.resume} were not saved (it holds the stream as "
-                    "it was; give --save to keep what a run streams)")
+            kept = (f"the frames streamed since --resume {printable(self.args.resume)} were not saved (it holds the "
+                    "stream as it was; give --save to keep what a run streams)")
         if kept is not None:
             if isinstance(error, StateKVError):
                 error.args = (f"{one_line(error)}; {kept}",)

@@ -164,12 +164,12 @@ def check_output_file(path: str | os.PathLike, name: str) -> Path:
     Nothing is left behind by the check."""
     path = _given_path(path, name)
     if str(path).endswith(os.sep) or (_exists(path, name, path) and path.is_dir()):
-        raise OutputError(f"{name} {path} names a folder; give the name of a file to write")
+        raise OutputError(f"{name} {printable(path)} names a folder; give the name of a file to write")
     if path.exists() and not path.is_file():
-        raise OutputError(f"{name} {path} is not a regular file")
+        raise OutputError(f"{name} {printable(path)} is not a regular file")
     _check_creatable_in(path.parent, name, path)
     if path.exists() and not os.access(path, os.W_OK):
-        raise OutputError(f"{name} {path}: the file exists and is not writable")
+        raise OutputError(f"{name} {printable(path)}: the file exists and is not writable")
     return path
 
 
@@ -178,7 +178,7 @@ def check_output_dir(path: str | os.PathLike, name: str) -> Path:
     (it is a file, or nothing can be created there). Nothing is left behind by the check."""
     path = _given_path(path, name)
     if _exists(path, name, path) and not path.is_dir():
-        raise OutputError(f"{name} {path} exists and is not a folder")
+        raise OutputError(f"{name} {printable(path)} exists and is not a folder")
     _check_creatable_in(path, name, path)
     return path
 
@@ -205,10 +205,11 @@ def _exists(path: Path, name: str, target: Path) -> bool:
         return False
     except FileNotFoundError:
         if os.path.lexists(path):
-            raise OutputError(f"{name} {target}: {path} is a symbolic link to nothing") from None
+            raise OutputError(f"{name} {printable(target)}: {printable(path)} is a symbolic link to nothing") from None
         return False
     except OSError as error:
-        raise OutputError(f"{name} {target}: {error.strerror or type(error).__name__} ({path})") from None
+        raise OutputError(f"{name} {printable(target)}: {error.strerror or type(error).__name__} "
+                          f"({printable(path)})") from None
 
 
 def _given_path(path: str | os.PathLike, name: str) -> Path:
@@ -235,13 +236,14 @@ def _check_creatable_in(folder: Path, name: str, target: Path) -> None:
             break
         existing = existing.parent
     if not existing.is_dir():
-        raise OutputError(f"{name} {target}: {existing} is a file, so no folder can be made there")
+        raise OutputError(f"{name} {printable(target)}: {printable(existing)} is a file, so no folder can be made "
+                          "there")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         reason = error.strerror or type(error).__name__
-        raise OutputError(f"{name} {target}: cannot write in {existing} ({reason})") from None
+        raise OutputError(f"{name} {printable(target)}: cannot write in {printable(existing)} ({reason})") from None
 
 
 # values given as text -----------------------------------------------------------------------------------------
