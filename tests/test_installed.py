@@ -63,7 +63,8 @@ def test_the_sdist_holds_what_its_test_suite_needs(tmp_path):
     needed = {path.relative_to(repo).as_posix() for folder in ("tests", "docs", "benchmarks")
               for path in (repo / folder).rglob("*")
               if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"}
-    needed |= {"LICENSE", "README.md", "pyproject.toml", "CHANGELOG.md", "Makefile", "constraints.in", "constraints.txt",
+    needed |= {"LICENSE", "README.md", "pyproject.toml", "CHANGELOG.md", "Makefile", "constraints.in",
+               "constraints.txt",
                "statekv/builtin/weights/model.safetensors", "statekv/builtin/weights/tokenizer.json"}
     assert sorted(needed - held) == []
     assert not [path for path in held if "__pycache__" in path or path.endswith(".pyc")]

@@ -13,7 +13,8 @@ from statekv.testing import draw_test_frame
 from statekv.video import open_video
 
 
-def _written(path: Path, times: list[float], *, b_frames: bool = True, time_base: Fraction = Fraction(1, 90000)) -> Path:
+def _written(path: Path, times: list[float], *, b_frames: bool = True,
+             time_base: Fraction = Fraction(1, 90000)) -> Path:
     """A video file whose frame ``i`` (`draw_test_frame`) is shown at ``times[i]`` seconds, encoded by libx264 at its
     defaults (B-frames: decoding order is not showing order) unless told."""
     with av.open(str(path), "w") as container:
