@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import statekv
 from statekv.models import load_adapter
+from statekv.testing import write_test_video
 from conftest import random_frames, tiny_qa
 
 EPOCH = 1.7e9  # a live camera's wall-clock seconds
@@ -83,3 +85,25 @@ def test_a_save_from_before_the_origin_was_kept_goes_on_counting_from_zero(qa, t
             # its prompt went on with the times it showed (epoch seconds: longer texts), and it answers
             assert old.tokens - before > stream.tokens - before
             assert old.ask(QUESTION, max_new_tokens=2) is not None
+
+
+def test_an_encoded_file_shows_its_frames_own_times_as_the_models_processor_does(qa, tmp_path, monkeypatch):
+    """A file is sampled at the centres of its parts, its first frame half a part in (here 0.5 s of a 4 s clip at
+    1 fps): its prompt shows each frame's own time in the file, as Qwen3-VL's and Eagle's processors do for those
+    frames (before, the times were counted from that first frame, every one shifted by 0.5 s)."""
+    path = write_test_video(tmp_path / "clip.mp4", frames=8, fps=2.0, size=(64, 48))
+    texts = []
+    laid_out = qa.adapter.features_chunk
+
+    def recorded(step, features, state):
+        chunk = laid_out(step, features, state)
+        texts.append(qa.adapter.tokenizer.decode(chunk.input_ids[0]))
+        return chunk
+
+    monkeypatch.setattr(qa.adapter, "features_chunk", recorded)
+    with qa.encode(path, max_fps=1.0) as video:  # frames at 0.5, 1.5, 2.5 and 3.5 s
+        assert video.frames == 4
+    shown = [float(time) for text in texts for time in re.findall(r"<([0-9.]+) seconds>|sample at ([0-9.]+)s", text)
+             for time in time if time]
+    # Qwen3-VL: each pair's mean time; Eagle: each frame's
+    assert shown == ([1.0, 3.0] if qa.adapter.frames_per_step == 2 else [0.5, 1.5, 2.5, 3.5])
