@@ -150,3 +150,23 @@ def test_a_first_demo_stopped_while_it_writes_its_videos_goes_on_where_it_stoppe
     assert written[3:] == ["v0002.partial.mp4", "v0003.partial.mp4"]  # the two missing, no more
     assert len(videos) == 4 and all(video.is_file() for video, _ in videos)
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"{DEMO_SET}-4"]
+
+
+def test_a_first_demo_started_while_another_writes_its_set_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Before: the second first run was refused by the synthetic make's lock, whose advice named --out, a flag demo
+    does not have."""
+    from statekv.commands.demo import DEMO_SET, demo_set
+    from statekv.errors import OutputError
+    from statekv.locks import FileLock
+
+    monkeypatch.setenv("STATEKV_CACHE", str(tmp_path))
+    other = FileLock.acquire(tmp_path / f"{DEMO_SET}-2.lock", what="the other demo", holder="another statekv demo")
+    try:
+        with pytest.raises(OutputError, match="another statekv demo is writing it: wait for it to end, then run this "
+                                              "again$"):
+            demo_set(2)
+    finally:
+        other.release()
+    assert not (tmp_path / f"{DEMO_SET}-2.partial").exists()
+    assert len(demo_set(2)) == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"{DEMO_SET}-2"]

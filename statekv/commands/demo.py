@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..console import ProgressLine, add_output_arguments, print_json, quiet_libraries, warn_free_form
 from ..errors import ConfigurationError, FrameDecodeError, OutputError, VideoError
+from ..locks import FileLock
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET, is_builtin_kind
@@ -331,7 +332,8 @@ def _document(model, builtin, videos, questions, scored, growths, families, draw
 
 def _cached(name: str, build) -> Path:
     """``cache_dir() / name``, built once; a half-built item never appears under its name: it is built as
-    ``name.partial`` beside it, which a build that was stopped leaves for the next to go on with."""
+    ``name.partial`` beside it, which a build that was stopped leaves for the next to go on with, under the lock of
+    ``name.lock`` (a second demo starting meanwhile is refused in one line)."""
     target = cache_dir() / name
     if target.exists():
         return target
@@ -341,12 +343,14 @@ def _cached(name: str, build) -> Path:
     except OSError as error:
         raise OutputError(f"cannot write statekv's cache in {target.parent} ({error.strerror or error}); set "
                           "STATEKV_CACHE to a writable folder") from None
-    built = target.parent / f"{name}.partial"
-    build(built)
+    lock = FileLock.acquire(target.parent / f"{name}.lock", what=f"statekv's cache {target}", error=OutputError,
+                            advice="another statekv demo is writing it: wait for it to end, then run this again",
+                            remove=True)
     try:
-        built.rename(target)
-    except OSError:  # another process got there first
-        if not target.exists():
-            raise
-        shutil.rmtree(built, ignore_errors=True)
+        if not target.exists():  # else the demo that held the lock finished it
+            built = target.parent / f"{name}.partial"
+            build(built)
+            built.rename(target)
+    finally:
+        lock.release()
     return target
