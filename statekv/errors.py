@@ -93,6 +93,11 @@ class OutputError(StateKVError, OSError):
     """An output (a saved stream, a run directory, a report) cannot be written where it was asked to go."""
 
 
+class RankLostError(StateKVError, RuntimeError):
+    """A rank of a data-parallel run lost the others while it waited for them: one of them stopped or failed (its
+    own lines say why), or its node went away."""
+
+
 class HandoverError(OutputError):
     """A disk-tier stream's handover to its successor's file set stopped after it was marked: the stream was
     closed, and resuming its folder finishes the handover. ``folder``: the stream's folder; ``cause``: why it

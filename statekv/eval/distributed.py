@@ -8,16 +8,19 @@ finished.
 
 That barrier runs over a gloo process group (joined when the run starts, so a broken launch fails
 early), even on GPUs: NCCL's watchdog aborts a collective that waits longer than its timeout, and
-the fastest rank may wait hours for the slowest. If a rank dies, the launcher stops the others.
+the fastest rank may wait hours for the slowest. If a rank dies, the launcher stops the others; a rank that was
+waiting for it meanwhile stops with one line (`statekv.errors.RankLostError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 from dataclasses import dataclass, field
 
-from statekv.errors import ConfigurationError
+from statekv.errors import ConfigurationError, RankLostError
 
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
 
@@ -81,7 +84,8 @@ class RankContext:
 
         self.connect()
         # a group someone else initialised (e.g. NCCL) gets a gloo side group for this one wait
-        dist.barrier(group=self._gloo_group())
+        with self._waiting():
+            dist.barrier(group=self._gloo_group())
 
     def share_from_main(self, value):
         """Rank 0's ``value`` on every rank (``value`` itself in a single process); a small picklable object."""
@@ -91,8 +95,20 @@ class RankContext:
 
         self.connect()
         objects = [value if self.is_main else None]
-        dist.broadcast_object_list(objects, src=0, group=self._gloo_group())
+        with self._waiting():
+            dist.broadcast_object_list(objects, src=0, group=self._gloo_group())
         return objects[0]
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """A wait for the other ranks; a rank gone meanwhile (gloo: its connection closed) is one line, not gloo's
+        traceback."""
+        try:
+            yield
+        except RuntimeError as error:  # torch.distributed's errors (DistError and its kinds) are RuntimeErrors
+            raise RankLostError(f"rank {self.rank} of {self.world_size}: another rank of this run stopped while this "
+                                f"one waited for it (see its own lines; {_cause(error)}); the answers written are "
+                                "kept: rerun the same command to resume") from None
 
     def _gloo_group(self):
         """None (the default group) when it runs gloo, else a gloo side group (waits without NCCL's watchdog)."""
@@ -108,3 +124,9 @@ class RankContext:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_group = False
+
+
+def _cause(error: BaseException) -> str:
+    """The first sentence of a torch.distributed error, without the source location gloo puts first."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
+    return re.split(r"(?<=[a-z0-9])\. ", text, maxsplit=1)[0].rstrip(".")[:160] or type(error).__name__
