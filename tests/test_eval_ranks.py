@@ -9,6 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from statekv.errors import ConfigurationError
+from statekv.eval.distributed import RankContext
+
 # rank 1 joins and goes away at once; rank 0 then waits for it
 RANK = """
 import os, sys
@@ -48,3 +53,10 @@ def test_a_rank_waiting_for_one_that_went_away_stops_with_one_line():
     assert out.startswith("RankLostError rank 0 of 2: another rank of this run stopped while this one waited")
     assert "rerun the same command to resume" in out and len(out.strip().splitlines()) == 1
 
+
+
+def test_a_launch_without_its_rendezvous_address_is_refused_in_one_line(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ConfigurationError, match=r"rank 0 of 2 cannot join .*MASTER_ADDR expected, but not set\)"):
+        RankContext(rank=0, world_size=2).connect()

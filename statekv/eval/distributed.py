@@ -73,7 +73,12 @@ class RankContext:
         if not dist.is_available():
             raise ConfigurationError("a multi-process run needs torch.distributed, which this torch build lacks")
         if not dist.is_initialized():  # MASTER_ADDR/MASTER_PORT come from the launcher
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=BARRIER_TIMEOUT)
+            try:
+                dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size, timeout=BARRIER_TIMEOUT)
+            except (ValueError, RuntimeError) as error:  # torch's: a variable unset or unusable, no rendezvous
+                raise ConfigurationError(f"rank {self.rank} of {self.world_size} cannot join the launch's process "
+                                         f"group ({_cause(error)}); start the ranks with torchrun or accelerate "
+                                         "launch, which set MASTER_ADDR and MASTER_PORT") from None
             self._owns_group = True
 
     def barrier(self) -> None:
