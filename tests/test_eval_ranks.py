@@ -1,5 +1,5 @@
 """The ranks of a data-parallel evaluation (`statekv.eval.distributed.RankContext`): what a rank says when the
-launch is broken or another rank goes away while it waits."""
+launch is broken or another rank goes away while it waits; the answer files the ranks write and read."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ import pytest
 
 from statekv.errors import ConfigurationError
 from statekv.eval.distributed import RankContext
+from statekv.eval.questions import Question
+from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids, rank_file, read_records
 
 # rank 1 joins and goes away at once; rank 0 then waits for it
 RANK = """
 import os, sys
 from statekv.errors import StateKVError
 from statekv.eval.distributed import RankContext
+from statekv.eval.questions import Question
+from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids, rank_file, read_records
 context = RankContext.from_env()
 context.connect()
 if context.rank == 1:
@@ -60,3 +64,21 @@ def test_a_launch_without_its_rendezvous_address_is_refused_in_one_line(monkeypa
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(ConfigurationError, match=r"rank 0 of 2 cannot join .*MASTER_ADDR expected, but not set\)"):
         RankContext(rank=0, world_size=2).connect()
+
+
+def test_an_answer_cut_inside_a_character_by_a_kill_is_ignored_not_called_corrupt(tmp_path):
+    """Before: a rerun was refused ("corrupt answer record (not UTF-8 text)") where a kill cut the last line inside
+    a character of a prediction, although an unterminated last line is ignored, then cut."""
+    asked = [Question("synthetic", f"q{index}", "v0", tmp_path / "v0.mp4", "Which?", ("A. x", "B. y"), "A", "needle")
+             for index in range(2)]
+    path = rank_file(tmp_path, 1)
+    with ResultsWriter(path) as out:
+        for question in asked:
+            out.write(AnswerRecord.for_answer(question, "A. caf\u00e9", model="m", method="full"))
+    whole = path.read_bytes()
+    path.write_bytes(whole[: whole.rindex("\u00e9".encode()) + 1])  # the second line cut after é's first byte
+    assert [record.qid for record in read_records(path)] == ["q0"]
+    assert completed_qids(tmp_path) == {"q0"}
+    with ResultsWriter(path) as out:  # a rerun's writer cuts the half line, then appends
+        out.write(AnswerRecord.for_answer(asked[1], "A", model="m", method="full"))
+    assert [record.qid for record in read_records(path)] == ["q0", "q1"]

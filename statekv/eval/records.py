@@ -229,16 +229,19 @@ def read_records(path: Path | str) -> list[AnswerRecord]:
     path = Path(path)
     if path.is_dir():
         raise ResultsFileError(f"{path} is a folder, not a file of answer records: move it out of the run folder")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = path.read_bytes()[: error.start].count(b"\n") + 1
-        raise ResultsFileError(f"{path}:{line}: corrupt answer record (not UTF-8 text)") from None
-    lines = text.split("\n")
-    if lines[-1]:  # a write under way, or a killed writer's (the run that goes on cuts it, and says so)
+    data = path.read_bytes()
+    # an unterminated last line is a write under way, or a killed writer's (the run that goes on cuts it, and says
+    # so): ignored undecoded, as a kill may have cut it inside a character
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
         logger.debug("%s: ignoring an unterminated last line", path)
+    try:
+        text = complete.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = complete[: error.start].count(b"\n") + 1
+        raise ResultsFileError(f"{path}:{line}: corrupt answer record (not UTF-8 text)") from None
     records = []
-    for number, line in enumerate(lines[:-1], start=1):
+    for number, line in enumerate(text.split("\n")[:-1], start=1):
         if not line.strip():
             continue
         try:
