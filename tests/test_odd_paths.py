@@ -61,3 +61,43 @@ def test_a_path_holding_a_newline_is_shown_whole_on_one_line(checkpoint, tmp_pat
     assert main(["stream", str(video), "--model", str(checkpoint), "--resume", str(tmp_path / "a\nb")]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "a\\nb: no such file or folder" in error, error
+
+
+def _status(argv):
+    try:
+        return main(argv)
+    except SystemExit as exit:  # argparse's refusal
+        return exit.code
+
+
+# each refused before anything loads; a flag after the long name fails fast where it would not be
+@pytest.mark.parametrize("flags", [
+    ["serve", "--state-dir", "{long}"], ["serve", "--media-root", "{long}"],
+    ["serve", "--offload", "disk", "--offload-dir", "{missing}", "--port", "70000"],
+    ["answer", "v.mp4", "q?", "--model", "{long}"], ["analyze", "v.mp4", "--model", "{long}", "--out", "out"],
+    ["analyze", "v.mp4", "--model", "./m", "--out", "{missing}"], ["flops", "--plot", "{missing}", "--at", "0"],
+    ["synthetic", "make", "--out", "{missing}", "--videos", "1", "--seed", "0"],
+    ["train-builtin", "--out", "{missing}", "--stop-after", "0"],
+    ["eval", "synthetic", "--model", "builtin", "--data-root", ".", "--out", "{missing}", "--limit", "0"],
+    ["stream", "v.mp4", "--model", "builtin", "--save", "{missing}"],
+])
+def test_a_name_too_long_for_the_system_is_refused_in_one_line_naming_its_flag(flags, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    long = str(tmp_path / ("n" * 300))
+    argv = [flag.format(long=long, missing=str(tmp_path / "new" / ("n" * 300))) for flag in flags]
+    assert _status(argv) == 2
+    error = capsys.readouterr().err
+    flag = flags[flags.index(next(flag for flag in flags if "{" in flag)) - 1]
+    assert error.count("\n") == 1 and flag in error and "File name too long" in error, error
+    assert list(tmp_path.iterdir()) == []  # nothing made on the way
+
+
+def test_a_name_too_long_for_the_system_is_one_line_in_python(tmp_path):
+    from statekv.errors import OutputError
+    from statekv.settings.values import check_output_dir
+
+    with pytest.raises(OutputError, match="offload_dir .*: File name too long"):
+        check_output_dir(tmp_path / "new" / ("n" * 300), "offload_dir")
+    with pytest.raises(InputError, match="File name too long"):
+        load_adapter(tmp_path / ("n" * 300))
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from statekv.console import ProgressLine, quiet_libraries
 from statekv.errors import OutputError
-from statekv.settings.values import (PATH, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
+from statekv.settings.values import (PATH, PATH_TEXT, POSITIVE_FLOAT, POSITIVE_INT, check_device, check_output_dir,
                                      check_output_file)
 from statekv.stopping import note_kept, stop_point
 
@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "analysis.md (side by side with the paper) and analysis_*.png into --out.",
     )
     parser.add_argument("videos", nargs="+", metavar="VIDEO", help="video files or folders of frames")
-    parser.add_argument("--model", required=True, help="checkpoint folder or hub id of a supported video VLM")
+    parser.add_argument("--model", required=True, type=PATH_TEXT,
+                        help="checkpoint folder or hub id of a supported video VLM")
     parser.add_argument("--out", required=True, type=PATH, help="output folder")
     parser.add_argument("--frames", type=POSITIVE_INT, default=128, help="frames sampled per video (default 128, the paper's)")
     parser.add_argument("--max-fps", type=POSITIVE_FLOAT, default=1.0, help="at most this many frames per second (default 1)")

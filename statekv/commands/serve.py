@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.options import ModelOptions
-from ..settings.values import NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import NON_NEGATIVE_FLOAT, PATH_TEXT, POSITIVE_FLOAT, POSITIVE_INT
 
 SCALE_ON = ("streams", "requests")
 
@@ -32,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("service")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
-    group.add_argument("--state-dir", default=None, metavar="DIR",
+    group.add_argument("--state-dir", default=None, metavar="DIR", type=PATH_TEXT,
                        help="where streams are kept across restarts (default: ./statekv-state)")
-    group.add_argument("--media-root", default=None, metavar="DIR",
+    group.add_argument("--media-root", default=None, metavar="DIR", type=PATH_TEXT,
                        help="the folder server-side sources (JSON {\"source\": PATH}, file:// video URLs) may be "
                             "read from (default: none; server-side sources are refused)")
     group.add_argument("--max-streams", type=POSITIVE_INT, default=64, metavar="N",

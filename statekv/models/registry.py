@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from ..errors import InputError, StateKVError, UnsupportedModelError
 from ..settings.options import BUILTIN_NAME
+from ..settings.values import printable, too_long
 from .base import VideoAdapter
 from .checkpoint_files import TOKENIZER_FILES, has_tokenizer
 
@@ -44,6 +45,8 @@ def adapter_for(model_type: str) -> type[VideoAdapter]:
 
 def checkpoint_model_type(path: str | Path) -> str:
     """``model_type`` from a checkpoint's ``config.json`` (local folder or hub id), without running its code."""
+    if (why := too_long(path)) is not None:  # else a bare OSError at the first look
+        raise InputError(f"{printable(path)}: {why}")
     if isinstance(path, Path) or Path(str(path)).exists() or _looks_like_a_path(str(path)):
         if not Path(path).exists():
             raise InputError(f"{path}: no such checkpoint folder")

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 from ..errors import ConfigurationError
 from .setting import Setting, settings_class
-from .values import (BOOLEAN, BYTES, NON_NEGATIVE, TEXT, Kind, boolean, byte_size, check_choice, check_int,
-                     check_output_dir, one_of)
+from .values import (BOOLEAN, BYTES, NON_NEGATIVE, PATH_TEXT, TEXT, Kind, boolean, byte_size, check_choice,
+                     check_int, check_output_dir, one_of)
 
 # the values the engine's settings take (the engine reads them from here)
 BACKENDS = ("auto", "eager", "chunked", "triton")  # `statekv.core.attention.scored`
@@ -158,7 +158,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting("offload", None, Kind("str | bool | None", check_offload, parse_offload, offload_argument),
             "keep the detailed cache in CPU memory while encoding (rekv always does); --offload disk: in a "
             "memory-mapped file set per stream under --offload-dir, only the retrieval summaries in RAM", "disk"),
-    Setting("offload_dir", None, Kind("str | None", check_folder, lambda value, name: TEXT.optional.parse(value, name)),
+    Setting("offload_dir", None, Kind("str | None", check_folder, lambda value, name: TEXT.optional.parse(value, name),
+                                      PATH_TEXT),
             "with --offload disk: the folder each stream's file set is made in", "DIR"),
     Setting("max_cache_bytes", None, BYTES.optional, "a hard cap on what each stream's cache holds: its detailed "
             "cache with its scales, retrieval summaries and disk-tier journal, for the frames held (not the stats' "

@@ -27,7 +27,7 @@ from .engine import ENGINE_SETTINGS, OFFLOAD_TIERS, EngineSettings, check_cache_
 from .methods import (DEFAULT_RETRIEVAL, READ_BY_SOME, SIZES, MethodSettings, MethodSpec, method,
                       method_names, refuse_unread, retrieval_rule, retrieval_rule_names)
 from .setting import Setting, settings_class
-from .values import BOOLEAN, DEVICE, DTYPE, POSITIVE, TEXT, Option, one_of, parse_options
+from .values import BOOLEAN, DEVICE, DTYPE, PATH_TEXT, POSITIVE, TEXT, Option, one_of, parse_options
 
 DEFAULT_RESERVE_TOKENS = 1024  # room for the question and the answer after the video (sets the RoPE horizon)
 BUILTIN_NAME = "builtin"  # ``--model builtin``: the small model shipped with statekv (`statekv.builtin`)
@@ -83,8 +83,8 @@ def normalize_argv(argv: list[str]) -> list[str]:
 
 
 MODEL_SETTINGS: tuple[Setting, ...] = (  # the model and the method
-    Setting("model", None, TEXT.optional, "checkpoint folder or hub id (InternVL3 -hf, Qwen3-VL, Eagle2.5), or "
-            "builtin: the small InternVL3 trained here on synthetic videos", "M"),
+    Setting("model", None, replace(TEXT.optional, cli=PATH_TEXT), "checkpoint folder or hub id (InternVL3 -hf, "
+            "Qwen3-VL, Eagle2.5), or builtin: the small InternVL3 trained here on synthetic videos", "M"),
     Setting("method", "statekv", one_of(method_names), _method_help, "METHOD"),
     Setting("budget", None, MethodSettings.kind("budget").optional,
             f"statekv, keynorm: tokens carried per layer and KV head (default: {BUILTIN_BUDGET} for the built-in "

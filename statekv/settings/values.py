@@ -21,6 +21,7 @@ kind (`statekv.settings.setting.Setting`).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import stat
@@ -195,6 +196,35 @@ def is_folder(path: str | os.PathLike) -> bool:
         raise InputError(f"{printable(path)}: {error.strerror or type(error).__name__}") from None
 
 
+def too_long(path: str | os.PathLike) -> str | None:
+    """Why the system would refuse ``path`` as too long ("File name too long (a name of 300 bytes; ...)"), or None.
+    Told before anything is made: the system tells it only once the folders on the way exist (until then it says
+    one is missing), so a command would make them, or load a model, and only then fail."""
+    text = os.fsencode(os.path.expanduser(os.fspath(path)))
+    existing, names = text, []
+    while existing and not os.path.lexists(existing):  # the names to be made, under the nearest existing folder
+        existing, name = os.path.split(existing.rstrip(b"/"))
+        names.append(name)
+        if not name:
+            break
+    longest = max(names, key=len, default=b"")
+    most_bytes = _pathconf(existing or b".", "PC_NAME_MAX", 255)
+    if len(longest) > most_bytes:
+        return (f"{os.strerror(errno.ENAMETOOLONG)} (a name of {len(longest):,} bytes; this file system takes "
+                f"{most_bytes} at most)")
+    most_bytes = _pathconf(existing or b".", "PC_PATH_MAX", 4096) - 1  # the system's limit counts the final NUL
+    if len(text) > most_bytes:
+        return f"{os.strerror(errno.ENAMETOOLONG)} ({len(text):,} bytes in all; the system takes {most_bytes} at most)"
+    return None
+
+
+def _pathconf(folder: bytes, what: str, otherwise: int) -> int:
+    try:
+        return os.pathconf(folder, what)
+    except (OSError, ValueError, AttributeError):  # no such limit (or no pathconf, on Windows)
+        return otherwise
+
+
 def _exists(path: Path, name: str, target: Path) -> bool:
     """Whether ``path`` exists; an `OutputError` for what can be neither used nor made there: a symbolic link loop,
     a link to nothing, a name too long, a folder that cannot be entered."""
@@ -224,6 +254,8 @@ def _given_path(path: str | os.PathLike, name: str) -> Path:
         raise OutputError(f"{name} is empty; give the path to write")
     if "\0" in text:
         raise OutputError(f"{name} {text!r} holds a NUL byte")
+    if (why := too_long(text)) is not None:
+        raise OutputError(f"{name} {printable(text)}: {why}")
     return Path(text).expanduser()
 
 
@@ -536,13 +568,20 @@ BYTES = Kind("int", lambda value, name: byte_size(value, name) if isinstance(val
              byte_size, BYTE_SIZE)
 
 
-def _path_text(text: str) -> Path:
+def _path_text(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got an empty string")
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (a NUL byte)")
-    return Path(text).expanduser()
+    if (why := too_long(text)) is not None:  # else a traceback where it is first looked at, or half a folder made
+        raise argparse.ArgumentTypeError(f"{printable(text)}: {why}")
+    return text
 
 
-_path_text.__name__ = "path"
-PATH = _path_text  # a command-line path: an empty string would otherwise be the current folder
+def _path(text: str) -> Path:
+    return Path(_path_text(text)).expanduser()
+
+
+_path.__name__ = _path_text.__name__ = "path"
+PATH = _path  # a command-line path: an empty string would otherwise be the current folder
+PATH_TEXT = _path_text  # the same, kept as text (where a hub id or a URL may be given instead)
