@@ -101,3 +101,37 @@ def test_a_name_too_long_for_the_system_is_one_line_in_python(tmp_path):
     with pytest.raises(InputError, match="File name too long"):
         load_adapter(tmp_path / ("n" * 300))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_errors_show_a_path_holding_a_newline_on_one_line(qa, stream, tmp_path):
+    from statekv.errors import ForeignFilesError
+
+    junk = tmp_path / "a\nb.safetensors"
+    junk.write_bytes(b"not a stream")
+    with pytest.raises(InputError) as refused:
+        Stream.load(junk, qa)
+    assert "\n" not in str(refused.value) and "a\\nb.safetensors: not a saved statekv stream" in str(refused.value)
+    saved = stream.save(tmp_path / "c\nd.safetensors")
+    with pytest.raises(ForeignFilesError) as refused:
+        Stream.load(saved, qa, owner="someone")
+    assert "\n" not in str(refused.value) and "c\\nd.safetensors: the stream belongs to no owner" in str(refused.value)
+    (tmp_path / "e\nf").mkdir()
+    with pytest.raises(InputError) as refused:
+        reown(tmp_path / "e\nf")
+    assert "\n" not in str(refused.value) and "e\\nf: not a saved stream" in str(refused.value)
+
+
+def test_the_stream_command_shows_a_path_holding_a_newline_on_one_line(checkpoint, tmp_path, capsys):
+    from statekv.settings.values import printable
+
+    video = write_test_video(tmp_path / "v.mp4", frames=2, fps=2)
+    junk = tmp_path / "a\nb.safetensors"
+    junk.write_bytes(b"not a stream")
+    assert main(["stream", str(video), "--model", str(checkpoint), "--save", str(junk)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "a\\nb.safetensors exists and is not a stream this statekv saved" in error \
+        and "(not a saved statekv stream" in error, error
+    target = tmp_path / "c\nd.safetensors"
+    assert main(["stream", str(video), "--model", str(checkpoint), "--save", str(target)]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.endswith(f"; saved to {printable(target)}"), summary

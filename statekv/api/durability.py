@@ -27,6 +27,7 @@ from ..core.disk.resume import check_durable
 from ..core.disk.tier import DiskTier
 from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
+from ..settings.values import printable
 from .stats import EncodingStats
 from ..errors import HandoverError, InputError, OutputError
 from ..models import LayoutState
@@ -123,7 +124,8 @@ class Durability:
                 if path.name not in (name, named):
                     path.unlink()
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot write the disk cache in {printable(folder)}: "
+                              f"{error.strerror or error}") from None
         return [record] if records or named is not None else []
 
     def journal_watches(self) -> bool:
@@ -190,7 +192,8 @@ class Durability:
             if last_timestamp is not None:
                 self.tier.append({CLOCK: [pushed, last_timestamp]})
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot write the disk cache in {printable(folder)}: "
+                              f"{error.strerror or error}") from None
         if self.tier.checkpoints == taken:  # no checkpoint now: the last one's record of the watches is not this
             records = self.watches_records(folder)
             if records:
@@ -408,11 +411,13 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         geometry = cache_geometry(qa.adapter.model)
         made = journal.manifest.get("geometry")
         if made != geometry.to_dict():
-            raise InputError(f"{folder}: made for a cache of {made}, but this model's is {geometry.to_dict()}")
+            raise InputError(f"{printable(folder)}: made for a cache of {made}, but this model's is "
+                             f"{geometry.to_dict()}")
         check_durable(folder, journal)
         last = journal.steps[-1]
         if not isinstance(last.get("state"), dict):
-            raise InputError(f"{folder}: the disk cache's journal is damaged: its last step lacks the stream's state")
+            raise InputError(f"{printable(folder)}: the disk cache's journal is damaged: its last step lacks the "
+                             "stream's state")
         check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
                                      "engine": setup["engine"], "max_fps": setup["max_fps"],
                                      "prefix_tokens": setup["prefix_tokens"],
@@ -540,7 +545,7 @@ def reopen_watches(stream: Any, folder: Path, after: list[dict[str, Any]]) -> No
     try:
         if isinstance(read, str):
             raise InputError(read)
-        restore_watches(stream, *read, where=f"{folder}: {watches_file(kept)}")
+        restore_watches(stream, *read, where=f"{printable(folder)}: {watches_file(kept)}")
     except InputError as error:
         log.warning("%s: the %d watch(es) open at its last checkpoint are not reopened: %s", stream.name,
                     kept[WATCHES], error)

@@ -46,7 +46,7 @@ from ..core.positions.rope import rope_parameters, trained_range
 from ..core.rules.base import CarryPolicy
 from ..errors import InputError
 from ..settings.engine import HANDOVER, CacheLimit, EngineSettings
-from ..settings.values import format_bytes
+from ..settings.values import format_bytes, printable
 
 CATCH_UP_SHARE = 0.5  # of the model's range: past it, quiet moments replay a stream's backlog (`catch_up_due`)
 OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
@@ -149,7 +149,8 @@ def resumed_disk_engine(engine: EngineSettings, recorded_layout: str | None, eng
         return engine, handed_over
     how = (f"under {HANDOVER} it handed over to the {streamed} layout past the model's range" if handed_over
            else f"it was streamed with bounded_layout={streamed}")
-    raise InputError(f"{folder}: {how}, not {asked}; resume it with bounded_layout={streamed} or the default")
+    raise InputError(f"{printable(folder)}: {how}, not {asked}; resume it with bounded_layout={streamed} or the "
+                     "default")
 
 
 def never_past(video_tokens: int, ceiling: int, limit: int) -> str:

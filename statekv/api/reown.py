@@ -21,7 +21,7 @@ from ..core.disk.files import (FILE_SET, MANIFEST, READ_VERSIONS as SET_VERSIONS
 from ..core.disk.resume import check_checkpoint, check_durable
 from ..core.disk.successor import finish_handover
 from ..errors import InputError, OutputError
-from ..settings.values import is_folder
+from ..settings.values import is_folder, printable
 from .stream_disk import FORMAT as SETUP_FORMAT, FORMAT_VERSION as SETUP_VERSION, SETUP, read_stream_setup
 from .stream_file import FORMAT_VERSION as STREAM_VERSION, read_verified, write_verified
 from .stream_identity import check_owner, new_created, new_stream_id, ownership
@@ -45,7 +45,7 @@ def reown(path: str | Path, owner: str | None = None) -> Path:
 
 def _reown_file_set(folder: Path, owner: str | None) -> Path:
     if not (folder / MANIFEST).is_file():  # before a lock file is made in it
-        raise InputError(f"{folder}: not a saved stream or a statekv disk cache (no {MANIFEST})")
+        raise InputError(f"{printable(folder)}: not a saved stream or a statekv disk cache (no {MANIFEST})")
     lock = hold(folder, "statekv reown")  # no stream lives in it meanwhile
     try:
         finish_handover(folder)  # a handover stopped midway: the file set is its successor's
@@ -55,7 +55,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
             version = None
         setup = read_checked(folder / f"{SETUP}.json")
         if setup.get("format") != SETUP_FORMAT or setup.get("version") not in (1, SETUP_VERSION):
-            raise InputError(f"{folder}: not a disk-tier stream's file set ({SETUP}.json)")
+            raise InputError(f"{printable(folder)}: not a disk-tier stream's file set ({SETUP}.json)")
         if version == 2:  # checked before the upgrade writes: a damaged folder is refused as it was found
             journal = read_file_set(folder, format_2=True)
             check_durable(folder, journal)
@@ -65,7 +65,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
         try:
             manifest = upgrade_file_set(folder) if version == 2 else read_manifest(folder)
         except OSError as error:
-            raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot re-own {printable(folder)}: {error.strerror or error}") from None
         if version in SET_VERSIONS:
             check_file_set(folder, f"{SETUP}.json", setup, manifest[FILE_SET])
         journal = read_file_set(folder)
@@ -77,7 +77,7 @@ def _reown_file_set(folder: Path, owner: str | None) -> Path:
         try:
             write_checked(folder / f"{SETUP}.json", setup)
         except OSError as error:
-            raise OutputError(f"cannot re-own {folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot re-own {printable(folder)}: {error.strerror or error}") from None
         read_stream_setup(folder)  # as loading reads it
     finally:
         lock.release()

@@ -22,7 +22,7 @@ from ..core.cache.persistence import check_state_dict
 from ..core.stream.prefill import cache_geometry
 from .durability import loaded_record, resume_stream
 from ..settings.engine import HANDOVER, EngineSettings
-from ..settings.values import is_folder
+from ..settings.values import is_folder, printable
 from .handover import OWN_LAYOUT, resumed_engine
 from .stats import EncodingStats
 from .watch_saving import records as watch_records, restore as restore_watches, tensors as watch_tensors
@@ -41,13 +41,14 @@ BACKLOG = "backlog.inputs_embeds"  # a handover stream's steps its successor has
 def save_stream(stream: Any, path: str | Path) -> Path:
     """Write ``stream`` (a `Stream` with something encoded) to ``path`` (see `Stream.save`); the stream is not
     changed, whether the save succeeds or not."""
+    where = printable(path)
     try:
         stream.prefill.sync()  # a disk-tier stream's file set is durable as of this save too
         if stream.durability.journal_watches():  # its watches as this save holds them
             stream.prefill.sync()
         stream.durability.sync()
     except OutputError as error:
-        raise OutputError(f"cannot save the stream to {path}: {error}; {UNCHANGED}") from None
+        raise OutputError(f"cannot save the stream to {where}: {error}; {UNCHANGED}") from None
     tensors, cache_metadata = stream.prefill.state_dict()
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
     successor = backlog = None
@@ -101,6 +102,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     settings ``engine`` (checked against those it was saved with; its positions are the saved stream's)."""
     if not isinstance(path, (str, os.PathLike)):
         raise InputError(f"the stream to load must be a path (its file, or its disk tier's folder), got {path!r}")
+    where = printable(path)
     if is_folder(path):
         return resume_stream(cls, Path(path), qa, allow_other_weights, stream_id=stream_id, owner=owner,
                              engine=engine)
@@ -114,28 +116,28 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     pending = _pending_images(path, tensors, metadata["pending"], set(cache),
                               set(kept) | {f"successor.{name}" for name in successor} | ({BACKLOG} & set(tensors)))
     if successor and "successor" not in metadata:
-        raise InputError(f"{path}: the stream file holds successor.* tensors but no successor record")
+        raise InputError(f"{where}: the stream file holds successor.* tensors but no successor record")
     if (backlog is None) != ("backlog" not in metadata):
-        raise InputError(f"{path}: the stream file holds " + ("a backlog record but no backlog.inputs_embeds"
+        raise InputError(f"{where}: the stream file holds " + ("a backlog record but no backlog.inputs_embeds"
                                                                if backlog is None else
                                                                "backlog.inputs_embeds but no backlog record"))
     try:
         check_state_dict(cache, metadata["cache"], cache_geometry(qa.adapter.model), engine.kv_cache_dtype)
     except InputError as error:
-        raise InputError(f"{path}: {error}") from None
+        raise InputError(f"{where}: {error}") from None
     if "successor" in metadata:
         try:
             check_state_dict(successor, metadata["successor"], cache_geometry(qa.adapter.model),
                              engine.kv_cache_dtype)
         except InputError as error:
-            raise InputError(f"{path}: the successor engine's state (successor.*): {error}") from None
+            raise InputError(f"{where}: the successor engine's state (successor.*): {error}") from None
     reserve = metadata["engine"]["reserve_tokens"]  # check_against_model holds it to the horizon
     check_values(path, metadata, tensors)  # what recomputed checksums cannot vouch for
     check_against_model(path, metadata, qa.adapter)
     recorded = recorded_settings(metadata)
     beside = "successor" in metadata or "backlog" in metadata
     if beside and engine.bounded_layout not in (None, HANDOVER, OWN_LAYOUT):
-        raise InputError(f"{path}: the stream was saved with its successor engine beside it (bounded_layout="
+        raise InputError(f"{where}: the stream was saved with its successor engine beside it (bounded_layout="
                          f"{HANDOVER}); resume it with bounded_layout={HANDOVER} or the default")
     engine, handed_over = resumed_engine(engine.with_changes(positions=recorded.get("positions") or "stream"),
                                          recorded.get("bounded_layout"),
@@ -147,7 +149,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
                      prefix_tokens=metadata["prefix_tokens"], engine=engine,
                      stream_id=metadata.get("stream_id"), owner=owner, created=metadata.get("created"))
     except HorizonError as error:
-        raise InputError(f"{path}: {error}") from None
+        raise InputError(f"{where}: {error}") from None
     state = LayoutState.from_dict(metadata["state"])
     step_frames = _step_frames(metadata["cache"]["chunk_lengths"], stream.prefix_tokens, state.frames,
                                stream.adapter.frames_per_step)
@@ -174,7 +176,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
         stream.keep_to_cap()  # resumed under a smaller cap than it was saved with, it may no longer keep one
     except InputError as error:
         stream.close()
-        raise InputError(error.args[0] if str(error).startswith(str(path)) else f"{path}: {error}") from None
+        raise InputError(error.args[0] if str(error).startswith(where) else f"{where}: {error}") from None
     except BaseException:
         stream.close()
         raise
@@ -182,7 +184,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
     # loaded into the disk tier: its new file set can itself be resumed, its watches with it (reopened first, so
     # the checkpoint the load takes keeps them: a kill before the next one still reopens them)
     try:
-        restore_watches(stream, metadata.get("watches", []), kept, where=str(path))
+        restore_watches(stream, metadata.get("watches", []), kept, where=where)
         stream.durability.loaded(stream.prefill, stream.step_frames, loaded, stream.pending,
                                  successor=stream.successor is not None)
     except BaseException:
@@ -207,6 +209,7 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
     as it would have, its folder resumable after the handover however it came. Its folder
     keeps the embeddings of the steps streamed from then on only, not those of every step that a folder resumed
     before the handover rebuilds its successor from (`statekv.api.durability.resume_stream` says so)."""
+    where = printable(path)
     if stream.successor is None:
         return
     if record is None and backlog_record is None:
@@ -216,7 +219,7 @@ def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.
         if record is not None:
             stream.successor.load_state_dict(tensors, record)
     except InputError as error:
-        raise InputError(f"{path}: the successor engine's state (successor.*): {error}") from None
+        raise InputError(f"{where}: the successor engine's state (successor.*): {error}") from None
     if backlog_record is not None:
         embeddings = stream.adapter.language_embeddings.weight
         stream.backlog.restore(backlog, backlog_record["spans"], embeddings.shape[1], embeddings.dtype,
@@ -256,17 +259,18 @@ def _pending_images(path: str | Path, tensors: dict[str, torch.Tensor], pending:
                     others: set[str] = frozenset()) -> list:
     """The pending frames' images ``[H, W, 3]`` uint8, refusing missing, malformed or unexpected tensors (the cache's
     and ``others``, the watches' and the successor's, are checked where they are read)."""
+    where = printable(path)
     expected = {f"pending.{index}" for index in range(len(pending))} | set(others)
     unexpected = sorted(set(tensors) - expected - {f"cache.{name}" for name in cache})
     if unexpected:
-        raise InputError(f"{path}: the stream file holds an unexpected tensor {unexpected[0]}")
+        raise InputError(f"{where}: the stream file holds an unexpected tensor {unexpected[0]}")
     images = []
     for index in range(len(pending)):
         image = tensors.get(f"pending.{index}")
         if image is None:
-            raise InputError(f"{path}: the stream file lacks pending.{index}, the image of a pending frame")
+            raise InputError(f"{where}: the stream file lacks pending.{index}, the image of a pending frame")
         if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3 or 0 in image.shape:
-            raise InputError(f"{path}: pending.{index} is {image.dtype} {list(image.shape)}, not an RGB uint8 image "
+            raise InputError(f"{where}: pending.{index} is {image.dtype} {list(image.shape)}, not an RGB uint8 image "
                              "[H, W, 3]")
         images.append(image.numpy())
     return images

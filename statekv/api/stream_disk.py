@@ -30,7 +30,7 @@ from safetensors.torch import load as load_tensors, save as save_tensors
 from ..core.disk.files import read_description
 from ..errors import InputError
 from ..flushing import write_whole
-from ..settings.values import HIGHEST_FPS
+from ..settings.values import HIGHEST_FPS, printable
 from ..video import Frame
 from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
                           record_check)
@@ -71,7 +71,7 @@ def read_stream_setup(folder: str | Path) -> dict[str, Any]:
     try:
         SCHEMA(setup, "stream")
     except InputError as error:
-        raise InputError(f"{folder}: malformed {SETUP}.json: {error}") from None
+        raise InputError(f"{printable(folder)}: malformed {SETUP}.json: {error}") from None
     return setup
 
 

@@ -62,7 +62,7 @@ from ..errors import InputError, OtherSetupError, OutputError
 from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
 from ..models import LayoutState
-from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_int, check_output_file, is_finite_number
+from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_int, check_output_file, is_finite_number, printable
 from ..video.sampling import tick
 
 FORMAT = "statekv-stream"
@@ -106,11 +106,12 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     """Write ``tensors`` and ``metadata`` (with the tensors' checksums added) to ``path`` through a ``.partial``
     folder beside it; an `OutputError` naming the reason when it cannot be written (nothing is left behind)."""
     path = check_output_file(path, "stream file")
+    where = printable(path)
     on_cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     metadata = {**metadata, "checksums": {name: tensor_sha256(tensor) for name, tensor in on_cpu.items()}}
     text = json.dumps(compacted(metadata), allow_nan=False)
     if len(text) > MAX_METADATA_CHARS:  # a file that could not be read back is not written
-        raise OutputError(f"cannot save the stream to {path}: its metadata is {len(text):,} characters, more than a "
+        raise OutputError(f"cannot save the stream to {where}: its metadata is {len(text):,} characters, more than a "
                           f"saved stream holds ({MAX_METADATA_CHARS:,}); {UNCHANGED}")
     # a folder of its own: two saves never share one, even if the lock below is broken, and the temporary file
     # safetensors writes beside its target lies in it, so a save killed at any point leaves one thing to remove
@@ -119,8 +120,8 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
-    lock = FileLock.acquire(path.with_name(_stem(path) + ".lock"), what=f"{path} (being saved)",
+        raise OutputError(f"cannot save the stream to {where}: {_reason(error)}; {UNCHANGED}") from None
+    lock = FileLock.acquire(path.with_name(_stem(path) + ".lock"), what=f"{where} (being saved)",
                             error=OutputError, advice="wait for that save to end, or save elsewhere",
                             remove=True)
     try:
@@ -137,7 +138,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
             raise
         if not lock.owns():  # the save that took the name may have removed this one's folder as a stale one
             raise _lock_lost(path) from None
-        raise OutputError(f"cannot save the stream to {path}: {_reason(error)}; {UNCHANGED}") from None
+        raise OutputError(f"cannot save the stream to {where}: {_reason(error)}; {UNCHANGED}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
         lock.release()
@@ -146,8 +147,8 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
 
 def _lock_lost(path: Path) -> OutputError:
     """The save's lock file was removed or replaced while it wrote: another save may own the name now."""
-    return OutputError(f"cannot save the stream to {path}: its lock file was removed or replaced while it was "
-                       f"written, and another save may be writing there; {UNCHANGED}")
+    return OutputError(f"cannot save the stream to {printable(path)}: its lock file was removed or replaced while "
+                       f"it was written, and another save may be writing there; {UNCHANGED}")
 
 
 def _stem(path: Path) -> str:
@@ -185,11 +186,11 @@ def read_verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
     missing, unlisted = sorted(set(checksums) - set(tensors)), sorted(set(tensors) - set(checksums))
     if missing or unlisted:
         what = f"lacks tensor {missing[0]}" if missing else f"holds a tensor it does not list, {unlisted[0]}"
-        raise InputError(f"{path}: the stream file {what}")
+        raise InputError(f"{printable(path)}: the stream file {what}")
     for name, tensor in tensors.items():
         if tensor_sha256(tensor) != checksums[name]:
-            raise InputError(f"{path}: tensor {name} is corrupt (its checksum does not match); the file was "
-                             "damaged after it was saved")
+            raise InputError(f"{printable(path)}: tensor {name} is corrupt (its checksum does not match); the file "
+                             "was damaged after it was saved")
     return metadata, tensors
 
 
@@ -200,36 +201,37 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _read(path: Path, with_tensors: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    where = printable(path)
     if not path.is_file():
-        raise InputError(f"{path}: " + ("not a regular file; a saved stream is one" if path.exists() else
+        raise InputError(f"{where}: " + ("not a regular file; a saved stream is one" if path.exists() else
                                         "no such saved stream"))
     try:
         open(path, "rb").close()  # safetensors says a file it may not read is missing
     except OSError as error:
-        raise InputError(f"{path}: cannot be read ({error.strerror or error})") from None
+        raise InputError(f"{where}: cannot be read ({error.strerror or error})") from None
     try:
         with safe_open(str(path), "pt") as handle:
             header = handle.metadata() or {}
             text = header.get("statekv")
             if not isinstance(text, str):
-                raise InputError(f"{path}: not a saved statekv stream (no statekv metadata)")
+                raise InputError(f"{where}: not a saved statekv stream (no statekv metadata)")
             if len(text) > MAX_METADATA_CHARS:
-                raise InputError(f"{path}: the stream's metadata is {len(text)} characters, more than a saved "
+                raise InputError(f"{where}: the stream's metadata is {len(text)} characters, more than a saved "
                                  f"stream holds ({MAX_METADATA_CHARS})")
             try:
                 metadata = json.loads(text)
             except RecursionError:
-                raise InputError(f"{path}: malformed stream metadata (JSON nested too deeply)") from None
+                raise InputError(f"{where}: malformed stream metadata (JSON nested too deeply)") from None
             _check_format(path, metadata)
             if header.get("statekv_sha256") != _sha256(text):
-                raise InputError(f"{path}: the stream's metadata is corrupt (its checksum does not match)")
-            metadata = expanded(metadata, str(path))
+                raise InputError(f"{where}: the stream's metadata is corrupt (its checksum does not match)")
+            metadata = expanded(metadata, where)
             tensors = {name: handle.get_tensor(name) for name in handle.keys()} if with_tensors else {}
     except (SafetensorError, OSError, ValueError) as error:
         if isinstance(error, InputError):
             raise
-        raise InputError(f"{path}: not a saved statekv stream ({_reason(error)})") from None
-    check_schema(metadata, where=str(path))
+        raise InputError(f"{where}: not a saved statekv stream ({_reason(error)})") from None
+    check_schema(metadata, where=where)
     return metadata, tensors
 
 
@@ -240,14 +242,15 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
     once, in order) with the carried keys and values those of the detailed cache at those positions; the
     pending frames in push order before the last timestamp. The model-dependent checks (horizon, prompt
     prefix, step lengths) are `check_against_model`'s."""
+    where = printable(path)
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise InputError(f"{path}: tensor {name} holds NaN or infinite values")
+            raise InputError(f"{where}: tensor {name} holds NaN or infinite values")
     for name, positions in tensors.items():
         if not name.endswith(".carried_positions") or positions.shape[-1] < 1:
             continue
         if positions.shape[-1] > 1 and not bool((positions[..., 1:] > positions[..., :-1]).all()):
-            raise InputError(f"{path}: {name} must list each carried token once, in increasing order")
+            raise InputError(f"{where}: {name} must list each carried token once, in increasing order")
         layer = name[: -len("carried_positions")]
         keys, values = tensors.get(layer + "keys"), tensors.get(layer + "values")
         released = tensors.get(layer + "keys.released")  # runs of rows saved without (`host_pages.saved_rows`)
@@ -256,7 +259,7 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
         if released is not None:
             positions = saved_rows(positions, released)
             if positions is None:
-                raise InputError(f"{path}: {name} lists a token its layer gave back ({layer}keys.released)")
+                raise InputError(f"{where}: {name} lists a token its layer gave back ({layer}keys.released)")
         if int(positions.max()) >= keys.shape[2]:
             continue
         index = positions.unsqueeze(-1).expand(*positions.shape, keys.shape[-1])
@@ -264,20 +267,20 @@ def check_values(path: str | os.PathLike, metadata: dict[str, Any], tensors: Map
             carried = tensors.get(f"{layer}carried_{kind}")
             if carried is not None and carried.shape == index.shape and \
                     not torch.equal(detailed.gather(2, index), carried):
-                raise InputError(f"{path}: {layer}carried_{kind} are not the detailed cache's {kind} at the carried "
+                raise InputError(f"{where}: {layer}carried_{kind} are not the detailed cache's {kind} at the carried "
                                  "positions")
     pending, pushed, last = metadata["pending"], metadata["pushed"], metadata["last_timestamp"]
     if (last is None) != (pushed == 0):
-        raise InputError(f"{path}: malformed stream metadata: last_timestamp {last!r} after {pushed} pushed frames")
+        raise InputError(f"{where}: malformed stream metadata: last_timestamp {last!r} after {pushed} pushed frames")
     for field in ("kept_timestamp", "encoded_timestamp"):
         if metadata.get(field) is not None and metadata[field] > (last or 0.0):
-            raise InputError(f"{path}: malformed stream metadata: {field} {metadata[field]} is after the last "
+            raise InputError(f"{where}: malformed stream metadata: {field} {metadata[field]} is after the last "
                              f"timestamp {last}")
     for number, (index, timestamp) in enumerate(pending):
         previous = pending[number - 1] if number else None
         if (index != int(index) or index >= pushed or timestamp > (last or 0.0)
                 or (previous is not None and (index <= previous[0] or timestamp < previous[1]))):
-            raise InputError(f"{path}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
+            raise InputError(f"{where}: malformed stream metadata: pending[{number}] = {[index, timestamp]} is not a "
                              f"frame pushed in order before the last timestamp {last}")
     check_clock(path, metadata)
 
@@ -299,6 +302,7 @@ def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
     0; at ``max_fps`` every kept frame has a tick (`statekv.video.sampling.tick`; in a file written before that
     rule, `_fixed_slack_tick`) of its own, the pending ones in increasing order, and ``next_tick`` follows the tick
     of the last frame pushed."""
+    where = printable(path)
     fps, next_tick, last = metadata["max_fps"], metadata["next_tick"], metadata["last_timestamp"]
     pushed = metadata["pushed"]
     kept = metadata["state"]["frames"] + len(metadata["pending"])
@@ -310,7 +314,7 @@ def check_clock(path: str | os.PathLike, metadata: dict[str, Any]) -> None:
         faults = [_tick_fault(metadata, rule) for rule in (tick, _fixed_slack_tick)]
         fault = None if None in faults else faults[0]
     if fault is not None:
-        raise InputError(f"{path}: malformed stream metadata: the push clock does not hold ({clock}): {fault}")
+        raise InputError(f"{where}: malformed stream metadata: the push clock does not hold ({clock}): {fault}")
 
 
 def _tick_fault(metadata: dict[str, Any], rule: Callable[[float, float], int]) -> str | None:
@@ -333,60 +337,62 @@ def _fixed_slack_tick(seconds: float, rate: float) -> int:
 def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapter: Any) -> None:
     """The fields that depend on the model, recomputed from it: the horizon (the frames' tokens plus the
     reserve), the prompt prefix's length, and every step's length and count."""
+    where = printable(path)
     frames_per_step = adapter.frames_per_step
     horizon_frames, frames = metadata["horizon_frames"], metadata["state"]["frames"]
     if (horizon_frames is None) != (metadata["horizon"] is None):
-        raise InputError(f"{path}: malformed stream metadata: horizon and horizon_frames must both be null (no "
+        raise InputError(f"{where}: malformed stream metadata: horizon and horizon_frames must both be null (no "
                          "horizon) or both be set")
     reserve = metadata["engine"]["reserve_tokens"]
     video_tokens = None if horizon_frames is None else adapter.max_video_tokens(horizon_frames)
     if horizon_frames is not None and metadata["horizon"] != video_tokens + reserve:
-        raise InputError(f"{path}: malformed stream metadata: horizon {metadata['horizon']} is not the "
+        raise InputError(f"{where}: malformed stream metadata: horizon {metadata['horizon']} is not the "
                          f"{video_tokens} tokens of its {metadata['horizon_frames']} frames plus its reserve of "
                          f"{reserve} for this model")
     state = adapter.start(horizon_frames, metadata["max_fps"])
     saved = metadata["state"].get("extra")
     for key, value in state.extra.items() if saved is not None else ():
         if saved.get(key) != value:  # what a stream of these frames at this rate starts with (Eagle states its rate)
-            raise InputError(f"{path}: malformed stream metadata: state.extra.{key} is {saved.get(key)!r}, but this "
+            raise InputError(f"{where}: malformed stream metadata: state.extra.{key} is {saved.get(key)!r}, but this "
                              f"model starts a stream of {metadata['horizon_frames']} frames at max_fps "
                              f"{metadata['max_fps']} with {value!r}")
     prefix = adapter.prefix(state)
     expected_prefix = 0 if prefix is None else prefix.num_tokens
     if metadata["prefix_tokens"] != expected_prefix:
-        raise InputError(f"{path}: malformed stream metadata: prefix_tokens is {metadata['prefix_tokens']}, this "
+        raise InputError(f"{where}: malformed stream metadata: prefix_tokens is {metadata['prefix_tokens']}, this "
                          f"model's prompt prefix is {expected_prefix} tokens")
     lengths = list(metadata["cache"]["chunk_lengths"])
     if expected_prefix:
         if not lengths or lengths[0] != expected_prefix:
-            raise InputError(f"{path}: malformed stream metadata: the first step must be the {expected_prefix}-token "
+            raise InputError(f"{where}: malformed stream metadata: the first step must be the {expected_prefix}-token "
                              f"prompt prefix, got {lengths[:1]}")
         lengths = lengths[1:]
         if 0 in metadata["cache"].get("evicted_steps", ()):
-            raise InputError(f"{path}: malformed stream metadata: the cache's evicted_steps list the prompt prefix "
+            raise InputError(f"{where}: malformed stream metadata: the cache's evicted_steps list the prompt prefix "
                              "(step 0), which a cache limit never evicts")
     longest = adapter.max_video_tokens(frames_per_step if horizon_frames is not None else max(frames, frames_per_step))
     for number, length in enumerate(lengths):
         if not 1 <= length <= longest:
-            raise InputError(f"{path}: malformed stream metadata: step {number} holds {length} tokens; a step of "
+            raise InputError(f"{where}: malformed stream metadata: step {number} holds {length} tokens; a step of "
                              f"this model holds 1 to {longest}")
     if len(lengths) != math.ceil(frames / frames_per_step):
-        raise InputError(f"{path}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
+        raise InputError(f"{where}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
                          f"({frames_per_step} per step)")
 
 
 def _check_format(path: Path, metadata: Any) -> None:
+    where = printable(path)
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise InputError(f"{path}: not a saved statekv stream")
+        raise InputError(f"{where}: not a saved statekv stream")
     version = metadata.get("version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise InputError(f"{path}: malformed stream metadata: no format version (got {version!r})")
+        raise InputError(f"{where}: malformed stream metadata: no format version (got {version!r})")
     if version == 1:
-        raise InputError(f"{path}: saved in stream format 1 by an earlier statekv, which records no checksums or "
+        raise InputError(f"{where}: saved in stream format 1 by an earlier statekv, which records no checksums or "
                          f"weights fingerprint, so it cannot be verified; this statekv reads formats "
                          f"{', '.join(map(str, READ_VERSIONS))}: encode the video again")
     if version not in READ_VERSIONS:
-        raise InputError(f"{path}: saved in stream format {version!r}; this statekv reads formats "
+        raise InputError(f"{where}: saved in stream format {version!r}; this statekv reads formats "
                          f"{', '.join(map(str, READ_VERSIONS))}")
 
 
@@ -573,20 +579,21 @@ def check_same_setup(path: str | os.PathLike, metadata: dict[str, Any], qa: Any,
                      engine: EngineSettings) -> None:
     """Refuse (one line) a saved stream whose model, binding engine settings or policy differ from ``qa``'s
     (``engine``: the settings it is being loaded with), or whose weights do unless ``allow_other_weights``."""
+    where = printable(path)
     saved, current = metadata["model"], model_identity(qa)
     for key in ("family", "model_type", "layout", "layers", "hidden_size", "dtype"):
         if saved[key] != current[key]:
-            raise OtherSetupError(f"{path}: saved with {key} {saved[key]!r}, but this VideoQA has "
+            raise OtherSetupError(f"{where}: saved with {key} {saved[key]!r}, but this VideoQA has "
                                   f"{current[key]!r}")
-    refusal = engine.refusal(recorded_settings(metadata), str(path))
+    refusal = engine.refusal(recorded_settings(metadata), where)
     if refusal is not None:
         raise OtherSetupError(refusal)
     policy, method = metadata["engine"]["policy"], metadata["engine"].get("method")
     if policy != repr(qa.policy):
         saved_with = policy if method is None else f"method {str(method)[:40]!r} ({policy})"
-        raise OtherSetupError(f"{path}: saved with {saved_with}, but this VideoQA uses method {qa.method!r} "
+        raise OtherSetupError(f"{where}: saved with {saved_with}, but this VideoQA uses method {qa.method!r} "
                               f"({qa.policy!r})")
     if not allow_other_weights and saved["weights"] != weights_fingerprint(qa.adapter.model):
-        raise OtherSetupError(f"{path}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'})"
+        raise OtherSetupError(f"{where}: saved with other weights ({saved['name_or_path'] or 'another checkpoint'})"
                               " than this model's, whose cache would differ; pass allow_other_weights=True to load "
                               "it anyway")

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from ..errors import ConfigurationError, ForeignFilesError
+from ..settings.values import printable
 from ..user_cache import installation_secret, secret_path
 
 MAX_ID_CHARS = 200
@@ -74,26 +75,27 @@ def check_ownership(path: str | os.PathLike, recorded: dict[str, Any], stream_id
     owner); ``recorded``: its identity fields (`OWNERSHIP`; absent in files saved before they were). An owner
     recorded by another installation (or before digests were keyed) proves nothing here: re-own the file
     (``statekv reown``) if you trust it."""
+    where = printable(path)
     saved_id, saved_owner = recorded.get("stream_id"), recorded.get("owner_digest")
     if stream_id is not None and saved_id != check_stream_id(stream_id):
         held = "records no stream id" if saved_id is None else f"holds stream {saved_id!r}"
-        raise ForeignFilesError(f"{path}: {held}, not {stream_id!r}; it was saved by another stream")
+        raise ForeignFilesError(f"{where}: {held}, not {stream_id!r}; it was saved by another stream")
     if check_owner(owner) is None:
         if saved_owner is not None:
-            raise ForeignFilesError(f"{path}: the stream belongs to an owner; give its owner to load it "
+            raise ForeignFilesError(f"{where}: the stream belongs to an owner; give its owner to load it "
                                     f"(Stream.load(..., owner=...)), or re-own it to load it without one: "
-                                    f"statekv reown {path}")
+                                    f"statekv reown {where}")
         return
     if saved_owner is None:
-        raise ForeignFilesError(f"{path}: the stream belongs to no owner, not to the owner given")
+        raise ForeignFilesError(f"{where}: the stream belongs to no owner, not to the owner given")
     made_by, secret = recorded.get("installation"), installation_secret(create=False)
-    reown = f"if you trust the file, re-own it: statekv reown {path} --owner NAME"
+    reown = f"if you trust the file, re-own it: statekv reown {where} --owner NAME"
     if made_by is None:
-        raise ForeignFilesError(f"{path}: its owner was recorded by an earlier statekv, without an installation's "
+        raise ForeignFilesError(f"{where}: its owner was recorded by an earlier statekv, without an installation's "
                                 f"secret, so it proves nothing; {reown}")
     if secret is None or made_by != installation_id(secret):
         here = "has none" if secret is None else "is another"
-        raise ForeignFilesError(f"{path}: its owner was recorded by another statekv installation (this one's "
+        raise ForeignFilesError(f"{where}: its owner was recorded by another statekv installation (this one's "
                                 f"secret, {secret_path()}, {here}); {reown}")
     if saved_owner != owner_digest(owner, saved_id or "", recorded.get("created"), secret=secret):
-        raise ForeignFilesError(f"{path}: the stream belongs to another owner, not to the owner given")
+        raise ForeignFilesError(f"{where}: the stream belongs to another owner, not to the owner given")

@@ -9,6 +9,7 @@ import sys
 from ..console import (add_output_arguments, add_sampling_arguments, interactive, one_line, print_json,
                        json_sizes, quiet_libraries, warn_free_form)
 from ..settings.options import ModelOptions
+from ..settings.values import printable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                     "answers": [{"question": q, "answer": a} for q, a in zip(args.questions, answers)]})
         return undecodable_end(undecodable, stats.frames)
     why = "" if stopped is None else " (stopped: see the error line)" if undecodable else " (stopped: see the warning)"
-    print(f"{args.video}: {stats.frames} frames{why}, "
+    print(f"{printable(args.video)}: {stats.frames} frames{why}, "
           f"{stats.tokens} tokens, {options.label}, carried "
           f"{stats.carried_tokens} tokens, {1e3 * stats.mean_frame_seconds:.1f} ms per frame")
     if args.stats:

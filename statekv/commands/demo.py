@@ -25,7 +25,7 @@ from ..locks import FileLock
 from ..plotting import check_plot_file, pyplot
 from ..user_cache import cache_dir  # where the demo keeps its videos and its plot
 from ..settings.options import BUILTIN_BUDGET, is_builtin_kind
-from ..settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import PATH, POSITIVE_FLOAT, POSITIVE_INT, printable
 from ..synthetic.prompts import question_prompt
 from ..synthetic.tasks import COLOUR_OPTIONS
 
@@ -196,7 +196,7 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
     warn_free_form("demo", model, [question])
     rows, answers = [], {}
     for index, (method, (label, sizes)) in enumerate(methods.items(), 1):
-        progress(f"{label} ({index}/{len(methods)}): encoding {args.video} and answering")
+        progress(f"{label} ({index}/{len(methods)}): encoding {printable(args.video)} and answering")
         qa = loaded.with_options(method=method, **sizes)
         try:
             encoding = qa.encode(args.video, max_fps=args.max_fps or VIDEO_MAX_FPS,
@@ -219,7 +219,7 @@ def _own_video(args, loaded, methods: dict, model: str) -> int:
     if args.json:
         print_json({"model": model, "video": str(args.video), "question": question, "rows": rows})
         return 0
-    print(f"model: {model}\nvideo: {args.video}\nquestion: {question}\n")
+    print(f"model: {printable(model)}\nvideo: {printable(args.video)}\nquestion: {question}\n")
     header = f"{'method':<20} {'frames':>6} {'tokens':>7} {'carried':>8} {'ms/frame, 1st 1/4':>18} {'last 1/4':>9}  answer"
     print(header + "\n" + "-" * len(header))
     for row in rows:

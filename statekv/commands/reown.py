@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigurationError
-from ..settings.values import PATH
+from ..settings.values import PATH, printable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
     if args.owner is not None and not args.owner.strip():
         raise ConfigurationError("--owner is empty: name who owns it, or leave --owner out for no owner")
     where = reown(args.path, args.owner)
-    print(f"{where}: owned by {repr(args.owner) if args.owner is not None else 'no one'} on this installation")
+    owner = repr(args.owner) if args.owner is not None else "no one"
+    print(f"{printable(where)}: owned by {owner} on this installation")
     return 0

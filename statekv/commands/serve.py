@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigurationError
 from ..serve.cluster.leases import LEASE_SECONDS
 from ..settings.options import ModelOptions
-from ..settings.values import NON_NEGATIVE_FLOAT, PATH_TEXT, POSITIVE_FLOAT, POSITIVE_INT
+from ..settings.values import NON_NEGATIVE_FLOAT, PATH_TEXT, POSITIVE_FLOAT, POSITIVE_INT, printable
 
 SCALE_ON = ("streams", "requests")
 
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
         # a key the folder needs is kept only once everything that could refuse the start has passed
         config, made, keys, pending = serve_settings(args, claim)
         key_note = None if made or pending or keys else (
-            f"statekv serve: using the API key made for {config.state_dir or args.store} when it was first served "
-            "(shown then); the page remembers it, or pass --api-key to choose one")
+            f"statekv serve: using the API key made for {printable(config.state_dir or args.store)} when it was first "
+            "served (shown then); the page remembers it, or pass --api-key to choose one")
         if cluster is not None:
             return _run_on_ray(args, config, cluster, made, pending, keys, key_note)
         quiet_libraries()
@@ -206,14 +206,14 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
     options = ModelOptions.from_args(args)
     alone_in_store = getattr(args, "store", None) is not None and args.state_dir is None
     if args.state_dir is not None and "://" in args.state_dir:  # a path would make a local folder named "s3:"
-        raise ConfigurationError(f"--state-dir {args.state_dir}: a URL, and --state-dir is a folder (local or "
-                                 "mounted); to keep streams in object storage: --ray with --store URL")
+        raise ConfigurationError(f"--state-dir {printable(args.state_dir)}: a URL, and --state-dir is a folder "
+                                 "(local or mounted); to keep streams in object storage: --ray with --store URL")
     state_dir = None if alone_in_store else Path(args.state_dir or "statekv-state")
     media_root = None
     if args.media_root is not None:
         media_root = Path(args.media_root)
         if not media_root.is_dir():
-            raise ConfigurationError(f"--media-root {media_root}: not a folder")
+            raise ConfigurationError(f"--media-root {printable(media_root)}: not a folder")
     if not 0 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: not a port number")
     if claim is not None:
@@ -234,7 +234,7 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
         else:
             made = stored.make()
     if made:  # at once: a start that fails later must not lose the only sight of the key
-        print(f"statekv serve: API key {made} (made for {place} and shown this once: "
+        print(f"statekv serve: API key {made} (made for {printable(place)} and shown this once: "
               f"{'the folder' if state_dir is not None else 'the store'} keeps only its digest; it stays valid across "
               "restarts)", flush=True)
     config = ServeConfig(options=options, state_dir=state_dir, api_keys=tuple(keys), media_root=media_root,
@@ -254,9 +254,10 @@ def keep_key(state_dir: Path | None, key: str | None) -> str | None:
     if key is None:
         return None
     if not KeyFile(state_dir).keep(key):
-        raise ConfigurationError(f"another server made a key for {state_dir} meanwhile; start again to use it")
-    print(f"statekv serve: API key {key} (made for {state_dir} and shown this once: the folder keeps only its "
-          "digest; it stays valid across restarts)", flush=True)
+        raise ConfigurationError(f"another server made a key for {printable(state_dir)} meanwhile; start again to "
+                                 "use it")
+    print(f"statekv serve: API key {key} (made for {printable(state_dir)} and shown this once: the folder keeps "
+          "only its digest; it stays valid across restarts)", flush=True)
     return key
 
 
@@ -350,11 +351,11 @@ def _run_on_ray(args: argparse.Namespace, config, cluster, made: str | None, pen
 
     def starting() -> None:  # the replicas read the key: kept before they start, only once nothing else refuses
         if pending is not None:
+            place = printable(config.state_dir or cluster.store)
             if not key_file.keep(pending):
-                raise ConfigurationError(f"another server made a key for {config.state_dir or cluster.store} "
-                                         "meanwhile; start again to use it")
+                raise ConfigurationError(f"another server made a key for {place} meanwhile; start again to use it")
             kept.append(pending)
-            print(f"statekv serve: API key {pending} (made for {config.state_dir or cluster.store} and shown this "
+            print(f"statekv serve: API key {pending} (made for {place} and shown this "
                   f"once: {'the folder' if config.state_dir is not None else 'the store'} keeps only its digest; it "
                   "stays valid across restarts)", flush=True)  # at once: a start killed later must not lose it
 
@@ -425,7 +426,7 @@ def _brought_back(registry, state_dir) -> str | None:
     if not held and not damaged:
         return None
     found = f" ({damaged} found damaged: quarantined, listed, not served)" if damaged else ""
-    return f"statekv serve: brought back {held} stream{'s' * (held != 1)} from {state_dir}{found}"
+    return f"statekv serve: brought back {held} stream{'s' * (held != 1)} from {printable(state_dir)}{found}"
 
 
 def _announce_when_up(server, host: str, key: str | None, key_note: str | None, brought: str | None) -> None:

@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     # before hours of encoding, not after
     save = check_output_file(args.save, "--save") if args.save is not None else None
     if save is not None and save.exists() and Path(args.video).exists() and save.samefile(args.video):
-        raise OutputError(f"--save {save} is the video itself; give another file")
+        raise OutputError(f"--save {printable(save)} is the video itself; give another file")
     if save is not None and save.is_file() and save.stat().st_size:
         check_replaceable(save)
     video = open_video(args.video)  # check the file before loading the model
@@ -159,7 +159,7 @@ def begun(args: argparse.Namespace, videoqa, options: ModelOptions, video_name: 
         qa = videoqa.from_options(options)
     except KeyboardInterrupt as stop:  # stopped while the model loads: nothing to keep, and that is said
         if save is not None:
-            note_kept(stop, f"nothing was streamed yet, so nothing was saved to {save}")
+            note_kept(stop, f"nothing was streamed yet, so nothing was saved to {printable(save)}")
         raise
     if args.resume is not None:
         stream = resumed(args, qa, video_name)
@@ -428,8 +428,8 @@ class _Replay:
         if self.save is not None:
             try:
                 where, problem = self.saved or save_or_rescue(self.stream, self.save)
-                kept = f"the {self.stream.frames} frames streamed before it were saved to {where}" + (
-                    f" (not to {self.save}: {problem})" if problem else "")
+                kept = f"the {self.stream.frames} frames streamed before it were saved to {printable(where)}" + (
+                    f" (not to {printable(self.save)}: {problem})" if problem else "")
             except StateKVError as save_error:  # unwritable everywhere, or nothing encoded yet to save
                 kept = f"and the {self.stream.frames} frames streamed before it were not saved: {one_line(save_error)}"
         elif self.folder is not None:
@@ -450,10 +450,12 @@ class _Replay:
         """Close a disk-tier stream and say what its folder keeps (None: nothing was durable yet, and it went)."""
         frames, problem = self.stream.frames, self.close_folder()
         if problem is not None:
-            return f"and the {frames} frames streamed before it may not all be kept in {self.folder}: {problem}"
+            return (f"and the {frames} frames streamed before it may not all be kept in {printable(self.folder)}: "
+                    f"{problem}")
         if self.folder is None:
             return None
-        return f"the {frames} frames streamed before it are kept in {self.folder} (go on with --resume {self.folder})"
+        folder = printable(self.folder)
+        return f"the {frames} frames streamed before it are kept in {folder} (go on with --resume {folder})"
 
     def close_folder(self) -> str | None:
         """Close a disk-tier stream, which makes every frame streamed durable in its folder; returns why it could
@@ -481,10 +483,10 @@ class _Replay:
         closing = self.close_folder() if self.folder is not None else None
         self.summary(where, problem)
         if problem:
-            raise OutputError(f"could not save the stream to {self.save} ({problem}); it was saved to {where} "
-                              "instead")
+            raise OutputError(f"could not save the stream to {printable(self.save)} ({problem}); it was saved to "
+                              f"{printable(where)} instead")
         if closing is not None:
-            raise OutputError(f"the stream's folder {self.folder} could not be closed: {closing}")
+            raise OutputError(f"the stream's folder {printable(self.folder)} could not be closed: {closing}")
 
     def summary(self, where: Path | None, problem: str | None, error: str | None = None) -> None:
         stats, args = self.stream.stats, self.args
@@ -500,8 +502,8 @@ class _Replay:
             print(f"\n{self.stream.frames} frames{' (stopped at --max-cache-bytes)' if self.cache_full else ''}, "
                   f"{self.stream.tokens} tokens, {self.options.label}, carried {stats.carried_tokens} tokens"
                   + (f", {1e3 * stats.mean_frame_seconds:.1f} ms per frame" if timed else "")
-                  + (f"; saved to {where}" if where else "")
-                  + (f"; kept in {self.folder}" if self.folder is not None else ""), flush=True)
+                  + (f"; saved to {printable(where)}" if where else "")
+                  + (f"; kept in {printable(self.folder)}" if self.folder is not None else ""), flush=True)
 
 
 def print_summary(args: argparse.Namespace, options: ModelOptions, *, horizon_frames: int | None, positions: Any,
@@ -522,9 +524,9 @@ def check_replaceable(save: Path) -> None:
     try:
         read_metadata(save)
     except InputError as error:
-        raise OutputError(f"--save {save} exists and is not a stream this statekv saved "
-                          f"({one_line(error).removeprefix(f'{save}: ')}); the save would replace it: give another "
-                          "file, or remove it first") from None
+        why = one_line(error).removeprefix(f"{printable(save)}: ")
+        raise OutputError(f"--save {printable(save)} exists and is not a stream this statekv saved ({why}); the save "
+                          "would replace it: give another file, or remove it first") from None
 
 
 def frames_expected(video, max_fps: float, horizon: int | None) -> int | None:
@@ -545,7 +547,8 @@ def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
     try:
         return stream.save(target), None
     except OutputError as error:
-        problem = one_line(error).removeprefix(f"cannot save the stream to {target}: ").removesuffix(f"; {UNCHANGED}")
+        problem = one_line(error).removeprefix(f"cannot save the stream to {printable(target)}: ")
+        problem = problem.removesuffix(f"; {UNCHANGED}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"{target.stem}-{stamp}-{os.getpid()}{target.suffix or '.safetensors'}"
     tried = []
@@ -554,7 +557,8 @@ def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
             return stream.save(folder / name), problem
         except OutputError as error:
             tried.append(one_line(error))
-    raise OutputError(f"could not save the stream to {target} ({problem}), nor to a rescue file ({'; '.join(tried)})")
+    raise OutputError(f"could not save the stream to {printable(target)} ({problem}), nor to a rescue file "
+                      f"({'; '.join(tried)})")
 
 
 def refused_time(stream, frame) -> float | None:
