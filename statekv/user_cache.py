@@ -14,12 +14,34 @@ import tempfile
 from pathlib import Path
 
 
+def variable_path(name: str) -> Path | None:
+    """The absolute path the environment variable ``name`` gives (``~`` expanded); None when it is unset or empty.
+    A one-line `ConfigurationError` naming it when it is relative (it would move with the working folder, and this
+    installation's secret with it) or its ``~`` names no home folder."""
+    from .errors import ConfigurationError
+
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return None
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # ~ without a home folder, or ~user of no such user
+        raise ConfigurationError(f"{name}={text!r}: its ~ names no home folder here; give an absolute path") from None
+    if not path.is_absolute():
+        raise ConfigurationError(f"{name}={text!r} is a relative path, which would change with the working folder; "
+                                 "give an absolute path")
+    return path
+
+
 def cache_dir() -> Path:
-    """The cache folder (not created here)."""
-    if os.environ.get("STATEKV_CACHE"):
-        return Path(os.environ["STATEKV_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "statekv"
+    """The cache folder (not created here); a one-line `ConfigurationError` when ``STATEKV_CACHE`` is malformed
+    (`variable_path`)."""
+    given = variable_path("STATEKV_CACHE")
+    if given is not None:
+        return given
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec: a relative one is ignored
+        return Path(xdg) / "statekv"
     try:
         home = Path.home()
     except (RuntimeError, KeyError, OSError):  # no HOME and no password entry (containers, daemons)
@@ -38,9 +60,7 @@ def secret_path() -> Path:
     """Where this installation's secret lives: ``$STATEKV_SECRET_FILE``, else ``installation.secret`` in
     `cache_dir()`. (Processes on several machines that share streams' files, as a ``--ray`` deployment's replicas
     do, need one secret: point ``STATEKV_SECRET_FILE`` at one file they all read.)"""
-    if os.environ.get("STATEKV_SECRET_FILE"):
-        return Path(os.environ["STATEKV_SECRET_FILE"]).expanduser()
-    return cache_dir() / SECRET_FILE
+    return variable_path("STATEKV_SECRET_FILE") or cache_dir() / SECRET_FILE
 
 
 def installation_secret(*, create: bool) -> bytes | None:

@@ -551,8 +551,12 @@ def save_or_rescue(stream, target: Path) -> tuple[Path, str | None]:
         problem = problem.removesuffix(f"; {UNCHANGED}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"{target.stem}-{stamp}-{os.getpid()}{target.suffix or '.safetensors'}"
-    tried = []
-    for folder in (cache_dir() / "rescued", Path(tempfile.gettempdir())):
+    tried, folders = [], [Path(tempfile.gettempdir())]
+    try:
+        folders.insert(0, cache_dir() / "rescued")
+    except ConfigurationError as error:  # a malformed STATEKV_CACHE: the temporary folder still takes it
+        tried.append(one_line(error))
+    for folder in folders:
         try:
             return stream.save(folder / name), problem
         except OutputError as error:

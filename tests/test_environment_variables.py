@@ -1,0 +1,96 @@
+"""The environment variables statekv reads: a malformed value is one line naming the variable, never a traceback
+nor a path that moves with the working folder."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from statekv.cli import main
+from statekv.errors import ConfigurationError
+from statekv.testing import make_tiny_checkpoint, write_test_video
+from statekv.user_cache import cache_dir, secret_path
+
+NO_SUCH_USER = "~no-such-user-statekv-test"
+
+
+def _cli(capsys, argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(arg) for arg in argv])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["cache", "3", f"{NO_SUCH_USER}/cache"])
+def test_a_relative_or_unexpandable_cache_folder_is_refused_naming_the_variable(monkeypatch, value):
+    """Before: a relative STATEKV_CACHE was a folder of the working folder (and so this installation's secret, which
+    owners' streams are keyed by, changed with it); a ~ of no home folder was pathlib's RuntimeError."""
+    monkeypatch.setenv("STATEKV_CACHE", value)
+    with pytest.raises(ConfigurationError, match=f"STATEKV_CACHE={value!r}"):
+        cache_dir()
+
+
+def test_a_relative_secret_file_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("STATEKV_SECRET_FILE", "installation.secret")
+    with pytest.raises(ConfigurationError, match="STATEKV_SECRET_FILE='installation.secret' is a relative path"):
+        secret_path()
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_spec_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("STATEKV_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "statekv"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "statekv"
+
+
+def test_the_demo_with_an_unexpandable_cache_folder_is_one_line(monkeypatch, capsys):
+    """Before: pathlib's RuntimeError (Could not determine home directory), as a traceback."""
+    monkeypatch.setenv("STATEKV_CACHE", f"{NO_SUCH_USER}/cache")
+    code, _, err = _cli(capsys, ["demo", "--model", "builtin"])
+    assert code == 2 and f"STATEKV_CACHE='{NO_SUCH_USER}/cache': its ~ names no home folder" in _one_line(err)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("environment")
+    return {"model": make_tiny_checkpoint("internvl", root / "internvl"),
+            "video": write_test_video(root / "clip.mp4", frames=16, fps=8)}
+
+
+def test_a_failed_save_is_rescued_to_the_temporary_folder_when_the_cache_variable_is_malformed(
+        files, capsys, tmp_path, monkeypatch):
+    """Before: the rescue stopped at the cache folder's RuntimeError, a traceback, and the stream was lost."""
+    import statekv.api.stream_file as stream_file
+
+    target, scratch = tmp_path / "out" / "talk.safetensors", tmp_path / "tmp"
+    target.parent.mkdir()
+    scratch.mkdir()
+    real_save = stream_file.save_file
+
+    def disk_full_there(tensors, filename, metadata=None):
+        if Path(filename).parent.parent == target.parent:  # in the save's partial folder beside the target
+            raise OSError(28, "No space left on device")
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(stream_file, "save_file", disk_full_there)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("STATEKV_CACHE", f"{NO_SUCH_USER}/cache")
+    code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
+                                   "--ask", "1:Why?", "--max-new-tokens", "2", "--save", target, "--json"])
+    line = _one_line(err)
+    assert code == 2 and f"could not save the stream to {target} (No space left on device)" in line
+    assert Path(line.rsplit("saved to ", 1)[1].removesuffix(" instead")).parent == scratch
+    assert json.loads(out.splitlines()[-1])["save_error"] == "No space left on device"
