@@ -94,3 +94,17 @@ def test_a_failed_save_is_rescued_to_the_temporary_folder_when_the_cache_variabl
     assert code == 2 and f"could not save the stream to {target} (No space left on device)" in line
     assert Path(line.rsplit("saved to ", 1)[1].removesuffix(" instead")).parent == scratch
     assert json.loads(out.splitlines()[-1])["save_error"] == "No space left on device"
+
+
+@pytest.mark.parametrize("variable, flags", [("k\udcff", []), ("", ["--api-key", "clé"])])
+def test_an_api_key_no_client_could_send_is_one_line_naming_where_it_came_from(monkeypatch, capsys, tmp_path,
+                                                                              variable, flags):
+    """Before: a key of bytes that are not UTF-8 was a UnicodeEncodeError traceback once the model had loaded; a
+    key of other characters than ASCII was taken, and no request could ever carry it."""
+    pytest.importorskip("fastapi")
+    monkeypatch.setenv("STATEKV_API_KEYS", variable)
+    code, out, err = _cli(capsys, ["serve", "--model", "builtin", "--state-dir", tmp_path / "state", "--port", "0",
+                                   *flags])
+    source = "--api-key" if flags else "STATEKV_API_KEYS"
+    assert code == 2 and f"{source}: an API key must be printable ASCII" in _one_line(err)
+    assert "clé" not in err + out and not (tmp_path / "state").exists()

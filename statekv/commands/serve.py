@@ -216,9 +216,9 @@ def serve_settings(args: argparse.Namespace, claim: Callable[[Path], None] | Non
             raise ConfigurationError(f"--media-root {printable(media_root)}: not a folder")
     if not 0 <= args.port <= 65535:
         raise ConfigurationError(f"--port {args.port}: not a port number")
+    keys = configured_keys(args.api_key)  # a key no client could send is refused before the folder is claimed
     if claim is not None:
         claim(state_dir)
-    keys = configured_keys(args.api_key)
     if state_dir is None:  # everything in the object store, checked by the claim
         from ..serve.cluster.hosting import open_store
         from ..serve.cluster.store_files import StoreKeyFile

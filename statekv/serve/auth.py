@@ -35,10 +35,16 @@ def owner_of(key: str) -> str:
 
 
 def configured_keys(given: list[str] | None) -> list[str]:
-    """The keys from ``--api-key``, or, without any, from ``STATEKV_API_KEYS`` (comma-separated); maybe none."""
-    keys = [key.strip() for key in (given or []) if key.strip()]
+    """The keys from ``--api-key``, or, without any, from ``STATEKV_API_KEYS`` (comma-separated); maybe none. A
+    one-line `ConfigurationError` naming where a key came from when it is not printable ASCII: an HTTP header
+    carries no other, so no client could send it."""
+    keys, source = [key.strip() for key in (given or []) if key.strip()], "--api-key"
     if not keys:
         keys = [key.strip() for key in os.environ.get(KEYS_VARIABLE, "").split(",") if key.strip()]
+        source = KEYS_VARIABLE
+    if not all(key.isascii() and key.isprintable() for key in keys):
+        raise ConfigurationError(f"{source}: an API key must be printable ASCII (an HTTP header carries no other "
+                                 "characters, so no client could send it)")
     return keys
 
 
