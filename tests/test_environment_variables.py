@@ -108,3 +108,11 @@ def test_an_api_key_no_client_could_send_is_one_line_naming_where_it_came_from(m
     source = "--api-key" if flags else "STATEKV_API_KEYS"
     assert code == 2 and f"{source}: an API key must be printable ASCII" in _one_line(err)
     assert "clé" not in err + out and not (tmp_path / "state").exists()
+
+
+def test_bench_serve_takes_the_first_key_the_server_would_accept(monkeypatch, capsys):
+    """Before: STATEKV_API_KEYS=",KEY" (which `statekv serve` reads as KEY) was "--url needs --api-key"."""
+    pytest.importorskip("httpx")
+    monkeypatch.setenv("STATEKV_API_KEYS", " , key-1,key-2")
+    code, _, err = _cli(capsys, ["bench", "serve", "--url", "http://127.0.0.1:9", "--streams", "1", "--duration", "1"])
+    assert code == 2 and "cannot reach http://127.0.0.1:9: " in _one_line(err)

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url is not None and (args.model is not None or started_only):
         given = "--model" if args.model is not None else started_only[0].split("=")[0]
         raise ConfigurationError(f"{given} is for the server bench serve starts; --url drives a running one")
-    key = args.api_key or next(iter(os.environ.get("STATEKV_API_KEYS", "").split(",")), "").strip() or None
+    key = args.api_key or next(filter(None, map(str.strip, os.environ.get("STATEKV_API_KEYS", "").split(","))), None)
     if args.url is not None and key is None:
         raise ConfigurationError("--url needs --api-key (or STATEKV_API_KEYS)")
     outputs = {name: check(value, flag) for name, value, flag, check in (
