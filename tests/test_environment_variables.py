@@ -116,3 +116,29 @@ def test_bench_serve_takes_the_first_key_the_server_would_accept(monkeypatch, ca
     monkeypatch.setenv("STATEKV_API_KEYS", " , key-1,key-2")
     code, _, err = _cli(capsys, ["bench", "serve", "--url", "http://127.0.0.1:9", "--streams", "1", "--duration", "1"])
     assert code == 2 and "cannot reach http://127.0.0.1:9: " in _one_line(err)
+
+
+@pytest.mark.parametrize("omp, threads", [("", 1), ("lots", 1), ("2", 2)])
+def test_the_demo_takes_one_thread_unless_omp_num_threads_asks_for_a_count(monkeypatch, capsys, tmp_path, omp,
+                                                                            threads):
+    """Before: an empty (or unreadable) OMP_NUM_THREADS, which torch ignores, kept the demo on torch's default of a
+    thread per core, the contention the demo's one thread avoids."""
+    import torch
+
+    import statekv
+
+    seen = []
+
+    def loading(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ConfigurationError("stopped here")
+
+    monkeypatch.setattr(statekv.VideoQA, "from_pretrained", loading)
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        code, _, err = _cli(capsys, ["demo", "--video", write_test_video(tmp_path / "clip.mp4", frames=4, fps=4)])
+    finally:
+        torch.set_num_threads(before)
+    assert code == 2 and "stopped here" in err and seen == [threads]

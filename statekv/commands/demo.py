@@ -13,13 +13,12 @@ under each method instead.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from ..console import ProgressLine, add_output_arguments, print_json, quiet_libraries, warn_free_form
+from ..console import ProgressLine, add_output_arguments, omp_threads, print_json, quiet_libraries, warn_free_form
 from ..errors import ConfigurationError, FrameDecodeError, OutputError, VideoError
 from ..locks import FileLock
 from ..plotting import check_plot_file, pyplot
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     callers_threads = torch.get_num_threads()
-    if small and (args.device or "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
+    if small and (args.device or "cpu").startswith("cpu") and omp_threads() is None:  # torch ignores an empty one
         # its matrices are too small to gain from more threads, and on a shared CPU one thread keeps the
         # per-frame times steady (threads that wait for each other can make a step 100 times slower)
         torch.set_num_threads(1)
