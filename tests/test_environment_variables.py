@@ -142,3 +142,13 @@ def test_the_demo_takes_one_thread_unless_omp_num_threads_asks_for_a_count(monke
     finally:
         torch.set_num_threads(before)
     assert code == 2 and "stopped here" in err and seen == [threads]
+
+
+@pytest.mark.parametrize("value", ["0", "two", "²"])
+def test_a_tile_candidates_value_that_is_not_a_count_is_one_line_naming_the_variable(monkeypatch, value):
+    """Before: a digit int() cannot read ("²", which str.isdigit takes) was int()'s ValueError."""
+    from statekv.kernels.tuning import tile_candidates
+
+    monkeypatch.setenv("STATEKV_TILE_CANDIDATES", value)
+    with pytest.raises(ConfigurationError, match="^STATEKV_TILE_CANDIDATES must be a positive integer"):
+        tile_candidates()

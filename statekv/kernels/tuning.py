@@ -66,7 +66,7 @@ def tile_candidates() -> int:
     text = os.environ.get("STATEKV_TILE_CANDIDATES", "").strip()
     if not text:
         return MAX_CANDIDATES
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # int() refuses digits such as '²'
         raise ConfigurationError(f"STATEKV_TILE_CANDIDATES must be a positive integer, got {text!r}")
     return int(text)
 
