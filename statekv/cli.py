@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="statekv",
         description="Linear-time long-video encoding for video VLMs (StateKV).",
+        epilog="environment: STATEKV_CACHE (statekv's cache folder, default ~/.cache/statekv), STATEKV_SECRET_FILE, "
+               "STATEKV_API_KEYS, OMP_NUM_THREADS and others (README.md: Environment variables)",
     )
     from . import __version__
 

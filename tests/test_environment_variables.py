@@ -152,3 +152,27 @@ def test_a_tile_candidates_value_that_is_not_a_count_is_one_line_naming_the_vari
     monkeypatch.setenv("STATEKV_TILE_CANDIDATES", value)
     with pytest.raises(ConfigurationError, match="^STATEKV_TILE_CANDIDATES must be a positive integer"):
         tile_candidates()
+
+
+def test_every_environment_variable_statekv_reads_is_in_the_readmes_table():
+    """Before: STATEKV_CACHE, XDG_CACHE_HOME and STATEKV_TILE_CANDIDATES were read but named nowhere a user looks
+    (STATEKV_CACHE only deep in docs/kernel.md), nor RANK/WORLD_SIZE/LOCAL_RANK in the README."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for source in (root / "statekv").rglob("*.py"):
+        text = source.read_text()
+        read |= set(re.findall(r'(?:environ(?:\.get)?[\[(]|variable_path\()\s*"([A-Z][A-Z0-9_]*)"', text))
+        read |= set(re.findall(r'^[A-Z_]*VARIABLE = "([A-Z][A-Z0-9_]*)"', text, re.MULTILINE))
+    readme = (root / "README.md").read_text()
+    table = readme.split("### Environment variables", 1)[1].split("\n#", 1)[0]
+    assert {"STATEKV_CACHE", "STATEKV_SECRET_FILE", "STATEKV_API_KEYS", "OMP_NUM_THREADS", "RANK"} <= read
+    assert sorted(name for name in read if not re.search(rf"\b{name}\b", table)) == []
+
+
+def test_statekvs_help_names_its_cache_folders_variable(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "STATEKV_CACHE (statekv's cache folder, default ~/.cache/statekv)" in out and "Environment variables" in out

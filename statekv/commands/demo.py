@@ -1,6 +1,7 @@
 """``statekv demo``: full attention, recency and StateKV side by side, offline, in about a minute.
 
-Without ``--video`` it runs on held-out synthetic videos (never trained on; written once to the cache folder)
+Without ``--video`` it runs on held-out synthetic videos (never trained on; written once to statekv's cache
+folder, ``$STATEKV_CACHE`` or ``~/.cache/statekv``)
 with the built-in model (a small InternVL3 trained here, see docs/accuracy.md) unless ``--model`` names
 another: each method encodes every video and answers its six questions, and the demo prints the accuracy of
 each method (overall with a 95% interval, and per question family where the methods differ), a few questions
