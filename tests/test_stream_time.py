@@ -1,5 +1,5 @@
-"""The time a prompt shows: a stream's seconds counted from its first frame, whatever clock the frames were pushed
-with (an epoch's, a live camera's), kept through a save, a load and the disk tier."""
+"""The time a prompt shows: a frame's own, or, for a stream timed by another clock (an epoch's, a live camera's),
+the seconds since its first frame, kept through a save, a load and the disk tier."""
 
 from __future__ import annotations
 

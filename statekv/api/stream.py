@@ -156,7 +156,8 @@ class Stream(EncodedVideo):
         image: RGB uint8 array ``[H, W, 3]``, a PIL image, or a `Frame` (whose timestamp is used).
         timestamp: seconds since the stream began (or an epoch's seconds), non-decreasing, at most
             `LATEST_TIMESTAMP`; default: one ``1 / max_fps`` (or 1 s) after the previous frame. A prompt that shows
-            times (Qwen3-VL, Eagle) counts them from the first frame kept.
+            times (Qwen3-VL, Eagle) shows them, or, from a first frame timed at 10^6 s or later (an epoch's), the
+            seconds since it.
 
         Pushes to several streams of one `VideoQA` from different threads share batched steps (see
         `VideoQA.push_many`); this call still returns once its frame is streamed or safely pending.

@@ -30,7 +30,6 @@ from .stats import ProgressCallback, progress_reporter
 from ..errors import CacheLimitError, ConfigurationError, FrameDecodeError, InputError, StateKVError
 from ..settings.methods import DEFAULT_RETRIEVAL, MethodSettings, method, method_names, retrieval_rule
 from ..models import VideoAdapter, load_adapter
-from ..models.base import TIME_ORIGIN
 from ..steps.jobs import StepScheduler
 from ..settings.options import DEFAULT_RESERVE_TOKENS, ModelOptions
 from ..steps.overlap import check_vision_batch, default_vision_batch, overlapped_steps
@@ -208,9 +207,6 @@ class VideoQA:
         horizon = self.horizon_for(num_frames, (video.height, video.width), reserve_tokens)
         encoded = EncodedVideo(self, horizon, num_frames=num_frames, fps=min(max_fps, sampling_rate),
                                name=video.name, reserve_tokens=reserve_tokens)
-        # its frames' times are their own in the source (its first sampled frame lies half a part in), as the
-        # model's processor shows them: a prompt counts from 0, not from the first frame as a pushed stream's does
-        encoded.state = encoded.state.updated({TIME_ORIGIN: 0.0})
         frames = video.sample(max_fps=max_fps, max_frames=max_frames, protocol=protocol)
         try:
             encoded.start()

@@ -132,14 +132,18 @@ class LayoutState:
 
 
 TIME_ORIGIN = "time_origin"  # `LayoutState.extra`: the time a prompt counts its video's seconds from, unless 0
+OTHER_CLOCK = 1e6  # seconds: a first frame timed this late was timed by another clock than the video's own
 
 
 def shown_seconds(frames: Sequence[Frame], state: LayoutState) -> tuple[list[float], dict[str, Any]]:
-    """The seconds a prompt shows for a step's ``frames`` streamed after ``state``: counted from the video's first
-    frame (an epoch's timestamps, a live camera's, show as a file's do, from 0), and what the step fixes of
-    `LayoutState.extra` (that first frame's time, at the first frame's step, unless 0). A state holding frames but no
-    origin counts from 0: a video whose first frame is at 0, or one saved before the origin was kept, as it did."""
-    origin = state.extra.get(TIME_ORIGIN, frames[0].timestamp if state.frames == 0 else 0.0)
+    """The seconds a prompt shows for a step's ``frames`` streamed after ``state``, and what the step fixes of
+    `LayoutState.extra`. A video's frames show their own times, seconds since it began (a file's sampled frames, a
+    stream's pushes), as the model's processor shows a video's; a stream whose first frame is timed at `OTHER_CLOCK`
+    or later (an epoch's wall clock, a camera's uptime: past the longest time a prompt's token bound allows for)
+    counts from that first frame, its time kept as the origin at its step. A state holding frames but no origin
+    counts from 0, as a stream saved before the origin was kept did."""
+    first = frames[0].timestamp if state.frames == 0 else 0.0
+    origin = state.extra.get(TIME_ORIGIN, first if first >= OTHER_CLOCK else 0.0)
     fixed = {TIME_ORIGIN: origin} if state.frames == 0 and origin else {}
     return [frame.timestamp - origin for frame in frames], fixed
 

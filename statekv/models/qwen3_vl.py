@@ -7,8 +7,8 @@ Prompt layout (what ``Qwen3VLProcessor`` makes of the chat template's video item
     question    <|vision_end|> question <end of the user turn, assistant opening>      (the outer end)
 
 One chunk is one temporal patch of ``frames_per_step = 2`` sampled frames (a lone last frame is repeated,
-as the processor pads the last patch); ``t`` is the mean of the patch's first and last frame timestamps, counted
-from the video's first frame (`shown_seconds`).
+as the processor pads the last patch); ``t`` is the mean of the patch's first and last frame timestamps (as
+`shown_seconds` shows them: their own, unless a stream was timed by another clock).
 Chunk boundaries sit next to special tokens, so tokenizing chunk by chunk gives the ids of the whole prompt.
 
 Positions: M-RoPE ``[4, 1, T]`` per chunk (a row of sequence indices, then the temporal / height / width rows

@@ -14,8 +14,8 @@ Layouts (each frame is one chunk; the user turn comes from the tokenizer's chat 
 
 ``eagle`` (default for Eagle; what Eagle2.5's processor makes of a video item)
     ``The first video sampled with {fps:.2f} fps: `` (``The first video: `` when the rate is unknown), then per
-    frame ``Frame {i} sample at {t:.2f}s: <img>…</img>`` (``i`` from 1, ``t`` the frame's time in seconds from
-    the video's first frame, `shown_seconds`), frames joined with nothing, the question right after the last
+    frame ``Frame {i} sample at {t:.2f}s: <img>…</img>`` (``i`` from 1, ``t`` the frame's time in seconds, as
+    `shown_seconds` shows it), frames joined with nothing, the question right after the last
     ``</img>``.
 ``paper`` (default for internvl_chat; reproduces the paper)
     ``<img>…</img>\\n`` per frame before the chat-templated question, as `InternVLAdapter`.
