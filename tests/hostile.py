@@ -27,6 +27,21 @@ def noise_frames(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
+def fill_disk_beside(monkeypatch, target: Path) -> None:
+    """A stream saved to ``target`` finds the disk full (in its partial folder beside it); saves elsewhere (a
+    rescue) are written."""
+    import statekv.api.stream_file as stream_file
+
+    real_save = stream_file.save_file
+
+    def disk_full_there(tensors, filename, metadata=None):
+        if Path(filename).parent.parent == target.parent:  # in the save's partial folder beside the target
+            raise OSError(28, "No space left on device")
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(stream_file, "save_file", disk_full_there)
+
+
 # -- a child process on a read-only folder or a full disk ----------------------------------------------------------
 CHILD_PRELUDE = """
 import errno, os, sys, json, traceback

@@ -73,19 +73,12 @@ def files(tmp_path_factory):
 def test_a_failed_save_is_rescued_to_the_temporary_folder_when_the_cache_variable_is_malformed(
         files, capsys, tmp_path, monkeypatch):
     """Before: the rescue stopped at the cache folder's RuntimeError, a traceback, and the stream was lost."""
-    import statekv.api.stream_file as stream_file
+    from hostile import fill_disk_beside
 
     target, scratch = tmp_path / "out" / "talk.safetensors", tmp_path / "tmp"
     target.parent.mkdir()
     scratch.mkdir()
-    real_save = stream_file.save_file
-
-    def disk_full_there(tensors, filename, metadata=None):
-        if Path(filename).parent.parent == target.parent:  # in the save's partial folder beside the target
-            raise OSError(28, "No space left on device")
-        return real_save(tensors, filename, metadata=metadata)
-
-    monkeypatch.setattr(stream_file, "save_file", disk_full_there)
+    fill_disk_beside(monkeypatch, target)
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     monkeypatch.setenv("STATEKV_CACHE", f"{NO_SUCH_USER}/cache")
     code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",

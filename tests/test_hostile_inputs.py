@@ -276,18 +276,11 @@ def test_a_save_is_durable_by_its_name_too(qa, stream, tmp_path, monkeypatch):
 
 
 def test_a_save_that_fails_at_the_end_is_rescued_and_said(files, capsys, tmp_path, monkeypatch, qa):
+    from hostile import fill_disk_beside
+
     target = tmp_path / "out" / "talk.safetensors"
     target.parent.mkdir()
-    import statekv.api.stream_file as stream_file
-
-    real_save = stream_file.save_file
-
-    def disk_full_there(tensors, filename, metadata=None):
-        if Path(filename).parent.parent == target.parent:  # in the save's partial folder beside the target
-            raise OSError(28, "No space left on device")
-        return real_save(tensors, filename, metadata=metadata)
-
-    monkeypatch.setattr(stream_file, "save_file", disk_full_there)
+    fill_disk_beside(monkeypatch, target)
     monkeypatch.setenv("STATEKV_CACHE", str(tmp_path / "cache"))
     code, out, err = _cli(capsys, ["stream", files["video"], "--model", files["model"], "--budget", "20",
                                    "--ask", "2:Why?", "--max-new-tokens", "2", "--save", target, "--json"])
