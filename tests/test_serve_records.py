@@ -171,15 +171,14 @@ def test_an_older_records_loss_is_said_on_the_page_in_frames_not_as_none_pushed(
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["save", "disk-tier file set"])
-@pytest.mark.parametrize("given", ["a path", "a bare name"])
 def test_a_stream_another_installation_owns_is_listed_without_the_servers_secret_path(qa, tmp_path, options,
-                                                                                     monkeypatch, disk, given):
+                                                                                     monkeypatch, disk):
     """A damaged stream's reason names no server path (docs/serving.md). Before: one whose owner another
     installation recorded named this server's secret file, its full path, to the client, and the file set's
-    reason was cut short in the middle of the `statekv reown` command it gives. A secret file given by a bare name
-    (relative to where the server runs) is not taken for that path wherever the word is said."""
+    reason was cut short in the middle of the `statekv reown` command it gives. (A secret file given by a bare name
+    is refused: `tests/test_environment_variables.py`.)"""
     monkeypatch.chdir(tmp_path)
-    secret = tmp_path / "secrets" / "second.secret" if given == "a path" else "owner"
+    secret = tmp_path / "secrets" / "second.secret"
     served = options.with_changes(offload="disk", offload_dir=str(tmp_path / "tier")) if disk else options
     monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "first.secret"))
     with Running(tmp_path / "state", qa, options=served) as server, server.client() as client:

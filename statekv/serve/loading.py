@@ -216,7 +216,7 @@ def _server_paths(root: Path | None, folder: Path | None = None) -> dict[str, st
     paths = {} if root is None else {str(root.resolve()) + "/": "", str(root) + "/": ""}
     if folder is not None:
         paths.update({str(folder.resolve()) + ": ": "", str(folder) + ": ": ""})
-    return {**paths, str(secret_path().absolute()): "the server's secret file"}  # not a bare name: a word
+    return {**paths, str(secret_path().absolute()): "the server's secret file"}
 
 
 def check_described(record: dict[str, Any], stream: Stream) -> None:
