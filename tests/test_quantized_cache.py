@@ -47,7 +47,7 @@ def test_quantization_error_is_half_a_step_of_its_own_range(kv_cache_dtype, dtyp
     restored = dequantize(codes, scale, zero, bits, torch.float64)
     direct, step = reference(x, dim, bits)
     exact = x.double()
-    rounding = torch.finfo(scale_dtype(dtype)).eps  # scale and zero kept in float16 (float32 for float32)
+    rounding = torch.finfo(scale_dtype(dtype)).eps  # scale and zero kept in the model's dtype (or float32)
     span = exact.abs().amax(dim, keepdim=True)
     bound = step / 2 * (1 + 4 * rounding) + 4 * rounding * span + 1e-12
     assert bool(((restored - exact).abs() <= bound).all())
@@ -148,12 +148,44 @@ def test_detailed_bytes_shrink_to_a_half_and_a_quarter_of_bf16(tmp_path):
                                     and "carried" not in name)
         stats[kv_cache_dtype] = prefill.stats.detailed_bytes  # as allocated (sized for the horizon)
     ratio8, ratio4 = saved["int8"] / saved[None], saved["int4"] / saved[None]
-    # codes + per-token value scale/zero + per-step key scale/zero over 64 tokens, float16
+    # codes + per-token value scale/zero + per-step key scale/zero over 64 tokens, bfloat16
     assert math.isclose(ratio8, (256 + 4 + 8) / 512) and math.isclose(ratio4, (128 + 4 + 8) / 512)
     assert ratio8 < 0.55 and ratio4 < 0.28
     assert stats[None] == saved[None] and all(math.isclose(stats[q] / stats[None], saved[q] / saved[None], rel_tol=0.02)
                                               for q in ("int8", "int4"))
 
+
+
+@pytest.mark.parametrize("kv_cache_dtype", list(KV_CACHE_BITS))
+def test_bfloat16_keys_past_float16s_range_read_back_within_half_a_step(tmp_path, kv_cache_dtype):
+    from conftest import build_tiny_lm
+    model = build_tiny_lm("qwen3", tmp_path / "loud", dtype=torch.bfloat16)
+    with torch.no_grad():  # keys and values in the 10^5s: bfloat16 holds them, float16 (65,504) does not
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.mul_(3e4)
+            layer.self_attn.v_proj.weight.mul_(3e4)
+    chunks = [chunk.to(torch.bfloat16) for chunk in embeddings(model, lengths=LENGTHS[:3])]
+    plain = statekv.StreamingPrefill(model, statekv.StateKV(budget=20))
+    quantized = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), kv_cache_dtype=kv_cache_dtype)
+    for chunk in chunks:
+        plain.step(inputs_embeds=chunk)
+        quantized.step(inputs_embeds=chunk)
+    bits = KV_CACHE_BITS[kv_cache_dtype]
+    for exact_layer, layer in zip(plain.cache.layers, quantized.cache.layers):
+        keys, values = (part.double() for part in exact_layer.storage.read_range(0, layer.storage.length))
+        assert keys.abs().max() > 65504 and values.abs().max() > 65504
+        read_keys, read_values = (part.double() for part in layer.storage.read_range(0, layer.storage.length))
+        for exact, read, dim in ((values, read_values, 3), (keys[:, :, :LENGTHS[0]], read_keys[:, :, :LENGTHS[0]], 2)):
+            _, step = reference(exact, dim, bits)  # half a step, and bfloat16's rounding (scale, zero, what is read)
+            bound = step / 2 + exact.abs().amax(dim, keepdim=True) * 2 ** -6
+            assert bool(((read - exact).abs() <= bound).all())
+    assert quantized.generate(prompt(model), max_new_tokens=5).shape == (1, 5)
+    tensors, metadata = quantized.state_dict()
+    tensors = {name: t.half() if name.endswith("_scales") else t for name, t in tensors.items()}
+    resumed = statekv.StreamingPrefill(model, statekv.StateKV(budget=20), kv_cache_dtype=kv_cache_dtype)
+    resumed.load_state_dict(tensors, metadata)  # saved when bfloat16's scales were float16: it goes on in them
+    resumed.step(inputs_embeds=chunks[0])
+    assert resumed.state_dict()[0]["layers.0.value_scales"].dtype == torch.float16
 
 def test_bad_kv_cache_dtype_is_one_line(tiny_lm):
     for bad in ("int2", "fp8", 8, torch.int8):

@@ -22,7 +22,7 @@ from ..storage.buffers import CarriedSlots
 from ...errors import InputError
 from ...settings.values import check_int, is_finite_number
 from ..storage.memory import CacheGeometry
-from ..storage.quantized import expected_tensors
+from ..storage.quantized import expected_tensors, saved_scale_dtypes
 from ..storage.host_pages import RELEASED
 from ..storage import layer_storage
 from ..storage.layer_storage import SAMPLES_PER_STEP
@@ -191,6 +191,10 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         head = (batch, geometry.kv_heads)
         expected.update({prefix + name: shaped for name, shaped in expected_tensors(
             kv_cache_dtype, head, seen, len(lengths), geometry.head_dim, geometry.dtype).items()})
+        width = getattr(tensors.get(prefix + "key_scales"), "dtype", None)
+        if kv_cache_dtype and width in saved_scale_dtypes(geometry.dtype):  # both scales in the keys' one
+            for name in ("key_scales", "value_scales"):
+                expected[prefix + name] = (expected[prefix + name][0], width)
         if prefix + "block_keys" in tensors:  # absent in states saved before step means were kept
             expected[prefix + "block_keys"] = ((*head, len(lengths), geometry.head_dim), geometry.dtype)
         if prefix + "step_samples" in tensors:  # absent in states saved before sampled keys were kept

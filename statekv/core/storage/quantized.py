@@ -5,9 +5,10 @@ When a step commits, its chunk is quantized: keys with one scale and zero point 
 the step's tokens (keys have outlier channels, so a channel shares one range), values with one per
 ``[B, H_kv, token]`` over the channels. A code is ``round((x - zero) / scale)`` in ``[0, 2^bits - 1]``; int4
 packs two codes per byte (channel ``2i`` in the low nibble, ``2i + 1`` in the high one). Scales and zero points
-are kept beside the codes in float16 (float32 for a float32 model). Only what a question reads is dequantized
-(:meth:`QuantizedStorage.read_range`, :meth:`QuantizedStorage.read_tokens`); the carried state, the step's own
-attention and the steps' summaries stay in the model's dtype.
+are kept beside the codes in the model's dtype (float32 for a float32 one; a bfloat16 key can pass float16's
+65,504, and a bfloat16 zero point is as fine as the keys it was taken from). Only what a question reads is
+dequantized (:meth:`QuantizedStorage.read_range`, :meth:`QuantizedStorage.read_tokens`); the carried state, the
+step's own attention and the steps' summaries stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ from ...settings.engine import KV_CACHE_BITS, check_kv_cache_dtype
 
 
 def scale_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype scales and zero points are kept in: float32 for float32 (and wider) models, else float16."""
-    return torch.float32 if model_dtype.itemsize >= 4 else torch.float16
+    """The dtype scales and zero points are kept in: the model's (bfloat16 keys and values reach far past
+    float16's range), float32 for float32 (and wider) models."""
+    return torch.float32 if model_dtype.itemsize >= 4 else model_dtype
+
+
+def saved_scale_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a saved cache's scales may be in: `scale_dtype`'s, and for bfloat16 float16 too (saved before
+    its scales were bfloat16; such a cache goes on in float16)."""
+    return (scale_dtype(model_dtype), torch.float16) if model_dtype == torch.bfloat16 else (scale_dtype(model_dtype),)
 
 
 def quantize(x: torch.Tensor, dim: int, bits: int, scales: torch.dtype = torch.float16
@@ -158,7 +166,7 @@ class QuantizedStorage(OffloadedStorage):
     def commit_host(self, chunk_len: int) -> None:
         self.commit_segment()
         keys, values = self.staged[0], self.staged[1]
-        width = scale_dtype(keys.dtype)
+        width = self._scales_like.dtype  # scale_dtype's, or a resumed cache's own
         key_codes, key_scale, key_zero = quantize(keys, 2, self.bits, width)
         value_codes, value_scale, value_zero = quantize(values, 3, self.bits, width)
         start, steps = self._length, self.block_keys.length
