@@ -245,3 +245,21 @@ def test_a_forged_list_of_evicted_steps_or_positions_is_refused_in_one_line(case
         Stream.load(_with_metadata(path, tmp_path / "forged.safetensors", edit), qa)
     assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
     Stream.load(_with_metadata(path, tmp_path / "as-saved.safetensors", lambda cache: None), qa).close()
+
+
+def test_a_disk_tier_stream_counts_the_summaries_it_holds_as_one_in_memory_does(adapter, tmp_path):
+    """Before: the segment index's copy in RAM (a disk tier keeps it there too) was a buffer made to be pinned, which
+    counted the rows it had grown ahead of the stream and, pinned (a model on a GPU), kept the rows of the segments an
+    evicting stream gave back: ``summary_bytes`` passed what the stream held. Now it counts, and holds, what an
+    offloaded stream in memory does."""
+    settings = dict(max_cache_bytes=CAP, cache_limit="evict-oldest")
+    memory = tiny_qa(adapter, "statekv", offload=True, **settings).stream()
+    disk = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, **settings).stream()
+    try:
+        for index, frame in enumerate(random_frames(40)):
+            memory.push(frame)
+            disk.push(frame)
+            assert disk.prefill.stats.summary_bytes == memory.prefill.stats.summary_bytes, index
+        assert disk.prefill.cache.evicted_steps
+    finally:
+        disk.close()

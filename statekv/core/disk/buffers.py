@@ -276,7 +276,9 @@ class MirroredTokenBuffer(TokenBuffer):
                  described: dict | None = None):
         self.mirror = MappedTokenBuffer(parts, None, prefix, described=described)
         self._ram_only = False  # while loading: the file has the rows already
-        super().__init__(parts, None, "cpu", on_replace=on_replace)
+        # never pinned: its rows are copied to the file synchronously anyway, and pinned rows a stream evicts could
+        # not go back to the OS (nor would the slots ahead of its length go uncounted, `nbytes`)
+        super().__init__(parts, None, "cpu", on_replace=on_replace, pin=False)
 
     @property
     def length(self) -> int:
