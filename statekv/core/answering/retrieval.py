@@ -26,9 +26,9 @@ times the segment's smallest or largest key, whichever is larger, summed: no key
 normalised over the segments per query head and token, the largest over the question's tokens, summed over
 heads; ``rekv`` ranks segments by its own score of their mean key), the segments of the steps earlier layers chose,
 and the open segment (the latest steps). ``attention`` then shares the question's attention among those steps'
-keys, the other segments each standing in its softmax for its sampled keys by its mean key (weighted by their
-count): one question costs ``O(segments + steps x SEGMENT_STEPS)`` per layer instead of ``O(steps of the
-stream)``.
+keys and the kept ones', the other segments each standing in its softmax for its sampled keys that are not kept
+by its mean key (weighted by their count), every key once: one question costs ``O(segments + steps x
+SEGMENT_STEPS)`` per layer instead of ``O(steps of the stream)``.
 """
 
 from __future__ import annotations
@@ -358,9 +358,9 @@ class Retrieval:
 
     def _others(self, seen: LayerQuestion, candidates: torch.Tensor, first: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What stands in the ``attention`` rule's softmax for the keys outside ``candidates``: the kept steps'
-        sampled keys (weight 1 each) and every other complete segment's mean key, weighted by its sampled keys'
-        count (log weights)."""
+        """What stands in the ``attention`` rule's softmax for the keys outside ``candidates``, each once: the kept
+        steps' sampled keys (weight 1 each) and every other complete segment's mean key, weighted by the sampled
+        keys of its steps that are not kept (log weights; a segment kept whole is its kept steps' keys alone)."""
         if not isinstance(self.rule, AttentionShare) or seen.segments is None:
             return None
         per_segment, most = seen.segment_steps, self.rule.keys_per_step
@@ -368,6 +368,8 @@ class Retrieval:
         expanded = torch.zeros(index.shape[1], dtype=torch.bool)
         expanded[candidates[candidates < index.shape[1] * per_segment] // per_segment] = True
         gone = evicted_segments(seen, index.shape[1])
+        if first and seen.samples is not None:  # the kept steps stand for themselves below
+            expanded[:first // per_segment] = True
         rest = (~expanded if gone is None else ~expanded & ~gone).nonzero().squeeze(1)
         keys, weights = [], []
         if rest.numel():
@@ -379,6 +381,10 @@ class Retrieval:
                                seen.frequencies)[0]
             keys.append(means)
             counts = _sampled_per_segment(seen, index.shape[1], most)[rest]
+            split = first // per_segment  # a segment whose first steps are kept: its mean key stands for the others
+            if first % per_segment and seen.samples is not None and split < index.shape[1]:
+                held = torch.diff(starts[first:(split + 1) * per_segment + 1]).double().clamp(max=most).sum()
+                counts = torch.where(rest == split, held, counts)
             weights.append(counts.log().float())
         kept = range(first)  # the prompt prefix and sinks: never candidates
         if kept and seen.samples is not None:
