@@ -100,6 +100,23 @@ def test_retrieved_frames_counts_only_frames_still_held(adapter, tmp_path):
     assert capped.answer_info.retrieved_frames == 2
 
 
+def test_retrieved_frames_leaves_out_a_frame_kept_whole_as_sinks(adapter):
+    """ReKV's sinks may hold a whole frame (the built-in model's 4 tokens a frame): each layer keeps it and chooses
+    among the others, so 6 frames held and retrieve=6 or 7 read the sink frame and 5 retrieved ones, as retrieve=5
+    does; before, retrieved_frames said 6 and 7 frames were retrieved."""
+    probe = small_qa(adapter).stream(horizon_frames=2)
+    probe.push(noise_frames(1)[0])
+    qa = statekv.VideoQA(adapter, statekv.ReKV(frames=2, sinks=probe.tokens), attention="eager", reserve_tokens=40)
+    stream = qa.stream(horizon_frames=8)
+    for frame in noise_frames(6):
+        stream.push(frame)
+    for retrieve, retrieved in ((2, 2), (5, 5), (6, 5), (7, 5)):
+        stream.ask("Why?", max_new_tokens=2, retrieve=retrieve)
+        assert stream.answer_info.retrieved_frames == retrieved, retrieve
+        assert stream.answer_info.read_frames[0] == 0  # the sink frame, at every layer
+    assert stream.answer_info.read_frames == tuple(range(6))
+
+
 def test_kv_cache_dtype_is_checked_when_loading_a_file_set_too(adapter, tmp_path):
     qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     stream = qa.stream(horizon_frames=4)

@@ -205,7 +205,7 @@ class EncodedVideo:
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
-                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval.steps),
+                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval),
                                       context="whole" if retrieval is None else "retrieved",
                                       read_frames=self.frames_of(read_steps))
 
@@ -218,15 +218,15 @@ class EncodedVideo:
         return tuple(frame for first, end in zip(totals[streamed].tolist(), totals[streamed + 1].tolist())
                      for frame in range(first, end))
 
-    def retrievable(self, steps: int) -> int:
-        """The frames ``steps`` retrieved steps per layer hold: ``steps`` steps' worth, or, when the stream holds
-        no more steps than that, every frame it still holds (evicted ones read nothing)."""
-        per_step = self.adapter.frames_per_step
-        if steps * per_step < self.frames - self.stats.evicted_frames:  # fewer than the steps held: no walk
-            return steps * per_step
-        frames = self.step_frames.tensor()
-        held = frames[~self.prefill.cache.evicted_steps.mask(len(frames)) & (frames != 0)]
-        return int(held.sum()) if steps >= len(held) else steps * self.adapter.frames_per_step
+    def retrievable(self, retrieval: Retrieval) -> int:
+        """`AnswerInfo.retrieved_frames` of an answer read by ``retrieval``."""
+        first = int(torch.searchsorted(self.prefill.cache.step_starts()[1:], retrieval.keep_tokens, right=True))
+        worth = retrieval.steps * self.adapter.frames_per_step  # kept whole before ``first``: `Retrieval.choose`'s
+        if worth < self.frames - self.stats.evicted_frames - sum(self.step_frames[:first]):  # fewer: no walk
+            return worth
+        frames = self.step_frames.tensor()[first:]
+        held = frames[~self.prefill.cache.evicted_steps.mask(first + len(frames))[first:] & (frames != 0)]
+        return int(held.sum()) if retrieval.steps >= len(held) else worth
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered
