@@ -51,6 +51,8 @@ class StreamEntry:
     # (`lost_at_start`)
     event_runs: list[dict[str, Any]] = field(default_factory=list)  # the runs its watch events were made in, as
     # their ids say (`statekv.serve.watches.new_run`)
+    run_unrecorded: bool = False  # the run this start began is in no record yet: none of its events is sent (a
+    # kill would have the next start number its run the same, and send other events under those ids)
     history: list[dict[str, float]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -133,6 +135,7 @@ class StreamEntry:
                 holding = self.changes[0]
             files.write_record(self.record())
             self.changes[1] = holding
+            self.run_unrecorded = False
 
     async def keep_record(self, files: Any, what: str) -> None:
         """`write_record` off the event loop, for a change already made and answered (``what``: which, for the

@@ -123,6 +123,7 @@ class StreamLoader:
                 # a loss said once: the counts it notes are the stream's now; a new run of its events numbered
                 entry.write_record(self.files)
             except (OSError, StateKVError) as error:
+                entry.run_unrecorded = True  # its events wait for a record that numbers their run
                 log.error("cannot record stream %s's new disk-tier folder, or that it runs again: %s", entry.id,
                           error)
                 return not moved

@@ -105,7 +105,7 @@ async def follow_events(stream_id: str, request: Request, service: Served) -> Ev
         release()
         hub.leave(follower)
 
-    response = EventStream(_events(entry, follower, hub, request, after), left)
+    response = EventStream(_events(entry, follower, hub, request, after, service.registry.files), left)
     response.headers["Cache-Control"] = "no-cache"
     return response
 
@@ -123,13 +123,16 @@ def _resumed_from(request: Request) -> tuple[str | None, str]:
     return (queried[0] if queried else None), "last_event_id"
 
 
-async def _events(entry, follower, hub, request: Request, after: tuple[int, int, str] | None) -> Any:
+async def _events(entry, follower, hub, request: Request, after: tuple[int, int, str] | None, files: Any) -> Any:
     try:
         yield ": following the watches of stream " + entry.id + "\n\n"
         resent: set[str] = set()  # also queued if made while they were read
         if after is not None:
             # a long history's backlog is gathered and written off the event loop, others answered meanwhile
             parts, resent = await run_in_threadpool(_backlog, entry, after)
+            if parts and (unrecorded := await _unrecorded(entry, files)) is not None:
+                yield _feed_end(unrecorded)
+                return
             for part in parts:
                 yield part
                 await asyncio.sleep(0)  # a reader that keeps up never makes a write wait: let others in between
@@ -143,8 +146,10 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, int,
                 if item is None:
                     yield ": still here\n\n"
                     continue
+            if isinstance(item, dict) and (unrecorded := await _unrecorded(entry, files)) is not None:
+                item = unrecorded
             if isinstance(item, FeedEnd):
-                yield "event: error\ndata: " + json.dumps({"error": {"message": item.message}}) + "\n\n"
+                yield _feed_end(item)
                 return
             if item is None or hub.closed:  # the server is stopping (its None may not have fit a full queue)
                 return
@@ -157,6 +162,24 @@ async def _events(entry, follower, hub, request: Request, after: tuple[int, int,
             yield _watch_event(item, entry.event_runs)
     finally:
         hub.leave(follower)
+
+
+async def _unrecorded(entry: Any, files: Any) -> FeedEnd | None:
+    """None once the run of events this start began (`statekv.serve.watches.new_run`) is in the stream's record,
+    written now if it is not; else why the feed ends: an id of that run sent now could be sent again for another
+    event, after a kill, by a start that found no record of it."""
+    if not entry.run_unrecorded:
+        return None
+    await entry.keep_record(files, "the run of its watch events")
+    if not entry.run_unrecorded:
+        return None
+    reason = (entry.record_failure or {}).get("reason", "it cannot be written")
+    return FeedEnd(f"cannot record this run of stream {entry.id}'s watch events in the state folder ({reason}); "
+                   "they are kept: follow again, with the last id read, once it can be written")
+
+
+def _feed_end(end: FeedEnd) -> str:
+    return "event: error\ndata: " + json.dumps({"error": {"message": end.message}}) + "\n\n"
 
 
 def _backlog(entry: Any, after: tuple[int, int, str]) -> tuple[list[str], set[str]]:
