@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError, InputError, StateKVError
 from ..flushing import flush_folder, write_whole
 from ..locks import FileLock
-from ..settings.values import is_finite_number, is_stream_rate
+from ..settings.values import is_finite_number, is_stream_rate, too_long
 
 log = logging.getLogger("statekv.serve")
 
@@ -50,6 +50,8 @@ UPLOADS = "uploads"  # the state folder's subfolder of the videos the page is fe
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
 SAVE_PARTIAL = re.compile(r"\.safetensors\.[0-9a-f]{8}\.partial$")  # a saved stream's partial folder (Stream.save)
+# the longest path a server writes under its state folder: a stream's save in its partial folder (`Stream.save`)
+DEEPEST = f"streams/st_{'0' * 24}.safetensors.{'0' * 8}.partial/st_{'0' * 24}.safetensors"
 
 
 def removable_tier(tier: str, offload_dir: str | os.PathLike | None) -> bool:
@@ -115,8 +117,14 @@ def readable_owner(record: object) -> str | None:
 
 def check_state_folder(state_dir: Path | str) -> None:
     """Refuse (one-line `ConfigurationError`) a state folder this server cannot list or write: not a folder,
-    unreadable, read-only, full, or its ``streams/`` not a folder."""
+    unreadable, read-only, full, its ``streams/`` not a folder, or so deep that the system would refuse the paths
+    of the streams' saves in it as too long (every save would fail, its frames lost at the server's stop)."""
     folder = Path(state_dir)
+    if (why := too_long(folder.absolute())) is not None:
+        raise ConfigurationError(f"--state-dir {state_dir}: {why}")
+    if (why := too_long(folder.absolute() / DEEPEST)) is not None:
+        raise ConfigurationError(f"--state-dir {state_dir}: too deep for the streams' saves in it ({why} with "
+                                 f"{DEEPEST}); give a folder of a shorter path")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "streams").mkdir(exist_ok=True)
