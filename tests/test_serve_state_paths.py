@@ -11,6 +11,7 @@ pytest.importorskip("fastapi")
 
 from statekv.errors import ConfigurationError  # noqa: E402
 from statekv.serve import ServeConfig, create_app  # noqa: E402
+from statekv.serve.store import hold_state_folder  # noqa: E402
 from statekv.settings.options import ModelOptions  # noqa: E402
 
 KEY = "k" * 32
@@ -42,3 +43,18 @@ def test_a_state_folder_too_deep_for_the_streams_saves_is_refused_before_anythin
 def test_a_state_folder_whose_own_path_is_too_long_is_refused_in_one_line(tmp_path):
     message = _refused(tmp_path / ("x" * 300))
     assert message.endswith("File name too long (a name of 300 bytes; this file system takes 255 at most)")
+
+
+def test_a_state_folder_whose_path_holds_a_newline_is_named_on_one_line(tmp_path):
+    """Before: the path was written as it is, so the error naming it (a file in its place, a folder another server
+    holds) took two lines, the second looking like a message of its own."""
+    taken = tmp_path / "a\nb"
+    taken.write_text("not a folder")
+    assert "a\\nb: cannot use it as the state folder (File exists: " in _refused(taken)
+    held = hold_state_folder(tmp_path / "c\nd", holder="the first server")
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            hold_state_folder(tmp_path / "c\nd", holder="the second server")
+    finally:
+        held.release()
+    assert "\n" not in str(refused.value) and "c\\nd is in use by the first server" in str(refused.value)

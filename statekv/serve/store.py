@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConfigurationError, InputError, StateKVError
 from ..flushing import flush_folder, write_whole
 from ..locks import FileLock
-from ..settings.values import is_finite_number, is_stream_rate, too_long
+from ..settings.values import is_finite_number, is_stream_rate, printable, too_long
 
 log = logging.getLogger("statekv.serve")
 
@@ -121,9 +121,9 @@ def check_state_folder(state_dir: Path | str) -> None:
     of the streams' saves in it as too long (every save would fail, its frames lost at the server's stop)."""
     folder = Path(state_dir)
     if (why := too_long(folder.absolute())) is not None:
-        raise ConfigurationError(f"--state-dir {state_dir}: {why}")
+        raise ConfigurationError(f"--state-dir {printable(state_dir)}: {why}")
     if (why := too_long(folder.absolute() / DEEPEST)) is not None:
-        raise ConfigurationError(f"--state-dir {state_dir}: too deep for the streams' saves in it ({why} with "
+        raise ConfigurationError(f"--state-dir {printable(state_dir)}: too deep for the streams' saves in it ({why} with "
                                  f"{DEEPEST}); give a folder of a shorter path")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -142,8 +142,8 @@ def check_state_folder(state_dir: Path | str) -> None:
                 probe.unlink()
     except OSError as error:
         where = error.filename if isinstance(error.filename, str) else folder
-        raise ConfigurationError(f"--state-dir {state_dir}: cannot use it as the state folder "
-                                 f"({error.strerror or type(error).__name__}: {where}); give a folder this server "
+        raise ConfigurationError(f"--state-dir {printable(state_dir)}: cannot use it as the state folder "
+                                 f"({error.strerror or type(error).__name__}: {printable(where)}); give a folder this server "
                                  "can read and write") from None
 
 
@@ -156,7 +156,7 @@ def hold_state_folder(state_dir: Path | str, holder: str) -> "FolderLocks":
     folder = Path(state_dir)
     if not (folder / SERVER_LOCK).exists():
         check_state_folder(folder)
-    what = f"the state folder {state_dir}"
+    what = f"the state folder {printable(state_dir)}"
     server = FileLock.acquire(folder / SERVER_LOCK, what=what, holder=holder, error=ConfigurationError,
                               advice="one state folder has one server: stop that one, or give this one another "
                                      "--state-dir")
@@ -179,7 +179,7 @@ def join_state_folder(state_dir: Path | str) -> "FolderLocks":
     if not (folder / REPLICAS_LOCK).exists():
         check_state_folder(folder)
     return FolderLocks((FileLock.acquire(
-        folder / REPLICAS_LOCK, what=f"the state folder {state_dir}", error=ConfigurationError, shared=True,
+        folder / REPLICAS_LOCK, what=f"the state folder {printable(state_dir)}", error=ConfigurationError, shared=True,
         advice="a folder served by one server is served by it alone: stop it, or give the deployment another "
                "--state-dir"),))
 
