@@ -87,6 +87,12 @@ class VideoQA:
                  reserve_tokens: int = DEFAULT_RESERVE_TOKENS, method: str | None = None,
                  vision_batch: int | None = None, retrieve: int | None = None, retrieval: str = DEFAULT_RETRIEVAL,
                  steer: bool = True, **engine_changes: Any):
+        if not isinstance(adapter, VideoAdapter):  # a checkpoint's name goes to `from_pretrained`
+            raise ConfigurationError(f"VideoQA takes a model family adapter (statekv.models.load_adapter), got "
+                                     f"{type(adapter).__name__}; VideoQA.from_pretrained(name) loads a checkpoint")
+        if not isinstance(policy, CarryPolicy):
+            raise ConfigurationError(f"policy must be a CarryPolicy (FullAttention, Recency, StateKV...; "
+                                     f"make_policy(name) builds a method's), got {type(policy).__name__}")
         self.adapter = adapter
         self.policy = policy
         self.engine = EngineSettings.of(engine, **engine_changes)
