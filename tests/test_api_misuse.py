@@ -25,3 +25,44 @@ def test_a_videoqa_is_refused_a_method_name_or_a_policy_class_for_its_policy(ada
 def test_a_videoqa_is_refused_a_checkpoints_name_for_its_adapter():
     with pytest.raises(statekv.ConfigurationError, match=r"got str; VideoQA.from_pretrained\(name\) loads"):
         statekv.VideoQA("builtin", statekv.StateKV(budget=8))
+
+
+@pytest.fixture
+def forget_methods():
+    from statekv.settings.methods import METHODS
+
+    before = dict(METHODS)
+    yield
+    METHODS.clear()
+    METHODS.update(before)
+
+
+def test_a_method_that_is_no_method_is_refused_when_registered(forget_methods):
+    from statekv.settings.methods import MethodSpec, at_most_budget
+
+    def spec(**changes):
+        fields = {"name": "mine", "summary": "mine", "size": "budget",
+                  "policy": lambda settings, frames: statekv.KeyNorm(budget=settings.budget),
+                  "history": at_most_budget, "display": "Mine", **changes}
+        return MethodSpec(**fields)
+
+    with pytest.raises(statekv.ConfigurationError, match="register_method takes a MethodSpec, got str"):
+        statekv.register_method("mine")
+    with pytest.raises(statekv.ConfigurationError, match="'budgets' is no method setting; .* budget, frames"):
+        statekv.register_method(spec(size="budgets"))
+    with pytest.raises(statekv.ConfigurationError, match="'retrieve' is no method setting"):
+        statekv.register_method(spec(also_uses=("retrieve",)))
+    with pytest.raises(statekv.ConfigurationError, match="policy must be a function .* got KeyNorm"):
+        statekv.register_method(spec(policy=statekv.KeyNorm(budget=4)))
+    with pytest.raises(statekv.ConfigurationError, match="name must be non-empty text"):
+        statekv.register_method(spec(name=""))
+    assert statekv.make_policy(statekv.register_method(spec()).name, budget=8) == statekv.KeyNorm(budget=8)
+
+
+def test_a_registered_policy_function_that_makes_no_policy_is_refused_by_name(forget_methods):
+    from statekv.settings.methods import MethodSpec, at_most_budget
+
+    statekv.register_method(MethodSpec("mine", "mine", "budget", lambda settings, frames: statekv.KeyNorm,
+                                       at_most_budget, "Mine"))  # the class, not made
+    with pytest.raises(statekv.ConfigurationError, match="method 'mine': its policy function returned type, not a"):
+        statekv.make_policy("mine")

@@ -49,7 +49,11 @@ def make_policy(method_name: str, *, budget: int = MethodSettings.budget, frames
     """The carry policy of a registered method (`statekv.settings.methods`), sized in tokens (``budget``) or frames
     (``frames``: recency windows are given in frames, as in the paper, and become ``ceil(frames /
     frames_per_step)`` streaming steps). Defaults are `MethodSettings`'."""
-    return method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_step)
+    policy = method(method_name).policy(MethodSettings(budget=budget, frames=frames, sinks=sinks), frames_per_step)
+    if not isinstance(policy, CarryPolicy):  # a registered method's own function (a class not made, a name)
+        raise ConfigurationError(f"method {method_name!r}: its policy function returned {type(policy).__name__}, "
+                                 "not a CarryPolicy (e.g. StateKV(budget=settings.budget))")
+    return policy
 
 
 class VideoQA:

@@ -165,7 +165,20 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in BUILTIN_METHODS}
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
-    """Add (or replace) a method; every command and the evaluation harness accept it from then on."""
+    """Add (or replace) a method; every command and the evaluation harness accept it from then on. A one-line
+    `ConfigurationError` for what is no method: not a `MethodSpec`, a size or setting it reads that is none of
+    `MethodSettings`', a policy that cannot be called."""
+    if not isinstance(spec, MethodSpec):
+        raise ConfigurationError(f"register_method takes a MethodSpec, got {type(spec).__name__}")
+    if not isinstance(spec.name, str) or not spec.name:
+        raise ConfigurationError(f"a method's name must be non-empty text, got {shown(spec.name)}")
+    for read in ((spec.size,) if spec.size is not None else ()) + tuple(spec.also_uses):
+        if read not in SIZES:
+            raise ConfigurationError(f"method {spec.name!r}: {shown(read)} is no method setting; its size and "
+                                     f"also_uses name some of {', '.join(SIZES)}")
+    if not callable(spec.policy):
+        raise ConfigurationError(f"method {spec.name!r}: policy must be a function (settings, frames per step) -> "
+                                 f"CarryPolicy, got {type(spec.policy).__name__}")
     METHODS[spec.name] = spec
     return spec
 
