@@ -66,3 +66,14 @@ def test_a_registered_policy_function_that_makes_no_policy_is_refused_by_name(fo
                                        at_most_budget, "Mine"))  # the class, not made
     with pytest.raises(statekv.ConfigurationError, match="method 'mine': its policy function returned type, not a"):
         statekv.make_policy("mine")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: statekv.WithSinks("statekv", 4), "WithSinks: rule must be a CarryPolicy, got str"),
+    (lambda: statekv.WithSinks(statekv.StateKV, 4), "WithSinks: rule must be a CarryPolicy, got type"),
+    (lambda: statekv.PerLayerBudget(statekv.Recency(frames=2), (4, 4)),
+     "PerLayerBudget: rule must be a ScoredPolicy, got Recency"),
+])
+def test_a_wrapping_rule_is_refused_what_is_no_rule_as_every_rule_argument_is(make, message):
+    with pytest.raises(statekv.ConfigurationError, match=message):
+        make()

@@ -23,7 +23,7 @@ class PerLayerBudget(WrappedPolicy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, ScoredPolicy):
-            raise TypeError(f"PerLayerBudget: rule must be a ScoredPolicy, got {type(self.rule).__name__}")
+            raise ConfigurationError(f"PerLayerBudget: rule must be a ScoredPolicy, got {type(self.rule).__name__}")
         if not isinstance(self.budgets, Iterable):
             raise ConfigurationError(f"PerLayerBudget: budgets must be one integer per layer, got "
                                      f"{type(self.budgets).__name__}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ...errors import ConfigurationError
 from ...settings.values import check_int
 from .base import KEEP_ALL, CarryPolicy
 from .candidates import Candidates
@@ -26,7 +27,7 @@ class WithSinks(WrappedPolicy):
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, CarryPolicy):
-            raise TypeError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
+            raise ConfigurationError(f"WithSinks: rule must be a CarryPolicy, got {type(self.rule).__name__}")
         for name in ("sinks", "prefix_tokens"):
             check_int(getattr(self, name), f"{type(self).__name__}: {name}", minimum=0)
         check_int(self.sink_tokens, f"{type(self).__name__}: sinks with the prompt's prefix ({self.prefix_tokens:,} "
