@@ -77,3 +77,15 @@ def test_a_registered_policy_function_that_makes_no_policy_is_refused_by_name(fo
 def test_a_wrapping_rule_is_refused_what_is_no_rule_as_every_rule_argument_is(make, message):
     with pytest.raises(statekv.ConfigurationError, match=message):
         make()
+
+
+def test_a_state_given_as_a_list_of_tensors_is_refused_in_one_line(tiny_lm):
+    model = tiny_lm("qwen2", num_hidden_layers=2)
+    streamed = statekv.StreamingPrefill(model, statekv.StateKV(budget=4), horizon=64)
+    streamed.step(input_ids=torch.tensor([[1, 2, 3]]))
+    tensors, metadata = streamed.state_dict()
+    resumed = statekv.StreamingPrefill(model, statekv.StateKV(budget=4), horizon=64)
+    with pytest.raises(statekv.InputError, match=r"^the saved tensors must be a mapping .* got list$"):
+        resumed.load_state_dict(list(tensors.values()), metadata)
+    resumed.load_state_dict(tensors, metadata)
+    assert resumed.seen_tokens == 3

@@ -9,6 +9,7 @@ slots when offloaded).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
@@ -153,6 +154,9 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
     `host_pages.saved_rows`, is that much shorter). Reads tensor values only to range-check positions and runs."""
     if not isinstance(metadata, dict):
         raise InputError(f"the cache metadata must be a mapping, got {type(metadata).__name__}")
+    if not isinstance(tensors, Mapping):
+        raise InputError(f"the saved tensors must be a mapping of names to tensors (state_dict()'s first value), "
+                         f"got {type(tensors).__name__}")
     for key in ("chunk_lengths", "seen_tokens", "window_starts"):
         if key not in metadata:
             raise InputError(f"the cache metadata lacks {key!r}")
