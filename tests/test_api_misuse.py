@@ -89,3 +89,11 @@ def test_a_state_given_as_a_list_of_tensors_is_refused_in_one_line(tiny_lm):
         resumed.load_state_dict(list(tensors.values()), metadata)
     resumed.load_state_dict(tensors, metadata)
     assert resumed.seen_tokens == 3
+
+
+def test_a_horizon_is_planned_only_for_a_count_of_frames(adapter):
+    qa = statekv.VideoQA(adapter, statekv.StateKV(budget=8))
+    for frames in ("16", 2.5, -1):
+        with pytest.raises(statekv.ConfigurationError, match="num_frames must be a non-negative integer, got"):
+            qa.horizon_for(frames)
+    assert qa.horizon_for(16) > qa.horizon_for(0) >= qa.reserve_tokens and qa.horizon_for(None) is None

@@ -379,6 +379,7 @@ class VideoQA:
         reserve = self.reserve_tokens if reserve_tokens is None else check_int(reserve_tokens, "reserve_tokens")
         if num_frames is None:
             return None
+        check_int(num_frames, "num_frames", minimum=0)
         return self.adapter.max_video_tokens(num_frames, frame_size=frame_size) + reserve
 
     def __repr__(self) -> str:
