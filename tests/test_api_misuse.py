@@ -97,3 +97,24 @@ def test_a_horizon_is_planned_only_for_a_count_of_frames(adapter):
         with pytest.raises(statekv.ConfigurationError, match="num_frames must be a non-negative integer, got"):
             qa.horizon_for(frames)
     assert qa.horizon_for(16) > qa.horizon_for(0) >= qa.reserve_tokens and qa.horizon_for(None) is None
+
+
+@pytest.mark.parametrize("score, got", [
+    (lambda c: c.keys.float().norm(dim=-1)[..., 1:], r"got shape \(1, \d+, 9\)$"),  # before: scores a place off, kept
+    (lambda c: 1.0, "got float$"),
+    (lambda c: c.scores, "got NoneType; a rule that reads candidates.scores declares needs_scores = True$"),
+])
+def test_a_written_rule_whose_score_is_not_one_per_candidate_is_refused_in_one_line(tiny_lm, score, got):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Written(statekv.ScoredPolicy):
+        def score(self, candidates):
+            return score(candidates)
+
+    model = tiny_lm("qwen2", num_hidden_layers=2)
+    streamed = statekv.StreamingPrefill(model, Written(budget=8), horizon=64)
+    streamed.step(input_ids=torch.tensor([[1, 2, 3, 4, 5]]))  # five candidates: all carried, none scored
+    with pytest.raises(statekv.InputError, match=r"^Written.score must return one score per candidate, a tensor of "
+                                                  r"shape \(1, \d+, 10\) \[B, H_kv, N\]; " + got):
+        streamed.step(input_ids=torch.tensor([[6, 7, 8, 9, 10]]))

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch
 
+from ...errors import InputError
 from ...settings.values import check_int
 from .base import KEEP_ALL, CarryPolicy
 from .candidates import Candidates
@@ -42,8 +43,21 @@ class ScoredPolicy(CarryPolicy):
     def select(self, candidates: Candidates) -> slice | torch.Tensor:
         if candidates.size <= self.budget:
             return KEEP_ALL
-        top = self.score(candidates).topk(self.budget, dim=-1, sorted=False).indices
+        top = self.checked_score(candidates).topk(self.budget, dim=-1, sorted=False).indices
         return in_time_order(top, candidates.size)
+
+    def checked_score(self, candidates: Candidates) -> torch.Tensor:
+        """:meth:`score`, refused (one-line `InputError`) unless one score per candidate, ``[B, H_kv, N]``: a
+        shorter row would never keep the last candidates, and anything else fails inside top-k."""
+        scores = self.score(candidates)
+        expected = tuple(candidates.keys.shape[:3])
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
+            got = f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+            hint = ("; a rule that reads candidates.scores declares needs_scores = True"
+                    if scores is None and not self.needs_scores else "")
+            raise InputError(f"{type(self).__name__}.score must return one score per candidate, a tensor of shape "
+                             f"{expected} [B, H_kv, N]; got {got}{hint}")
+        return scores
 
 
 def in_time_order(chosen: torch.Tensor, size: int) -> torch.Tensor:
