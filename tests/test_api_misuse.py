@@ -118,3 +118,25 @@ def test_a_written_rule_whose_score_is_not_one_per_candidate_is_refused_in_one_l
     with pytest.raises(statekv.InputError, match=r"^Written.score must return one score per candidate, a tensor of "
                                                   r"shape \(1, \d+, 10\) \[B, H_kv, N\]; " + got):
         streamed.step(input_ids=torch.tensor([[6, 7, 8, 9, 10]]))
+
+
+@pytest.mark.parametrize("scores, got", [
+    (lambda seen: torch.arange(50.0), r"got shape \(50,\)$"),  # before: taken, whatever it scored
+    (lambda seen: torch.zeros(3), r"got shape \(3,\)$"),
+    (lambda seen: 1.0, "got float$"),
+])
+def test_a_written_retrieval_rule_whose_scores_are_not_one_per_step_is_refused_in_one_line(tiny_lm, scores, got):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Written(statekv.RetrievalRule):
+        def scores(self, seen):
+            return scores(seen)
+
+    model = tiny_lm("qwen2", num_hidden_layers=2)
+    streamed = statekv.StreamingPrefill(model, statekv.StateKV(budget=4), horizon=128)
+    for first in range(1, 60, 5):  # twelve steps
+        streamed.step(input_ids=torch.arange(first, first + 5)[None])
+    with pytest.raises(statekv.InputError, match=r"^Written.scores must return one score per step of the stream, "
+                                                  r"a tensor of shape \(12,\); " + got):
+        streamed.generate(torch.tensor([[1, 2]]), max_new_tokens=2, retrieve=statekv.Retrieval(3, 0, Written()))

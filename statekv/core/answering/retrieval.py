@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, InputError
 from ...settings.methods import RETRIEVAL_RULES
 from ...settings.values import check_int
 from ..cache.step_runs import StepRuns
@@ -318,15 +318,24 @@ class Retrieval:
         candidates = self.candidates(seen, first)
         if candidates is None:  # every step scored
             outside = [s for s in range(first, count) if s not in seen.evicted]
-            scores = self.rule.scores(seen).float()
+            scores = self.scored(seen, count, "step of the stream")
             best = scores[torch.tensor(outside, device=scores.device)].topk(self.steps).indices.tolist()
             return sorted(outside[i] for i in best)
         if seen.evicted:
             candidates = candidates[~seen.evicted.mask(count)[candidates]]
         seen = replace(seen, candidates=candidates, others=self._others(seen, candidates, first))
-        scores = self.rule.scores(seen).float()
+        scores = self.scored(seen, candidates.shape[0], "candidate step (seen.candidates)")
         best = scores.topk(min(self.steps, candidates.shape[0])).indices.cpu()
         return sorted(candidates[best].tolist())
+
+    def scored(self, seen: LayerQuestion, count: int, what: str) -> torch.Tensor:
+        """The rule's scores as floats, refused (one-line `InputError`) unless ``[count]``, one per ``what``."""
+        scores = self.rule.scores(seen)
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (count,):
+            got = f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise InputError(f"{type(self.rule).__name__}.scores must return one score per {what}, a tensor of "
+                             f"shape ({count},); got {got}")
+        return scores.float()
 
     def candidates(self, seen: LayerQuestion, first: int) -> torch.Tensor | None:
         """The steps scored at this layer when the stream holds more complete segments than `SEGMENTS_PER_STEP` x
