@@ -140,3 +140,28 @@ def test_a_written_retrieval_rule_whose_scores_are_not_one_per_step_is_refused_i
     with pytest.raises(statekv.InputError, match=r"^Written.scores must return one score per step of the stream, "
                                                   r"a tensor of shape \(12,\); " + got):
         streamed.generate(torch.tensor([[1, 2]]), max_new_tokens=2, retrieve=statekv.Retrieval(3, 0, Written()))
+
+
+def _image_of_a_closed_file():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    data = io.BytesIO()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(data, format="PNG")
+    data.seek(0)
+    image = Image.open(data)  # lazy: its pixels are read when first used
+    data.close()
+    return image
+
+
+def test_a_pil_image_whose_file_was_closed_is_refused_in_one_line_pushed_or_encoded(adapter):
+    qa = statekv.VideoQA(adapter, statekv.StateKV(budget=8), attention="eager", reserve_tokens=40)
+    message = r"^a PIL image whose pixels cannot be read: I/O operation on closed file\. \(PIL reads"
+    with qa.stream(horizon_frames=4, max_fps=None) as stream:
+        with pytest.raises(statekv.InputError, match=message):
+            stream.push(_image_of_a_closed_file(), 0.0)
+        assert stream.pushed == 0
+    with pytest.raises(statekv.StateKVError, match=message):
+        qa.encode([_image_of_a_closed_file()])

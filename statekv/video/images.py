@@ -99,6 +99,16 @@ def rgb_image(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
+def readable_rgb_image(image: Image.Image, error: type[InputError] | type[VideoError]) -> np.ndarray:
+    """`rgb_image`, or ``error`` in one line where its pixels cannot be read: PIL reads an opened image's file only
+    when it is first used, and the file may be closed by then, or cut short."""
+    try:
+        return rgb_image(image)
+    except (OSError, ValueError, SyntaxError) as reason:
+        raise error(f"a PIL image whose pixels cannot be read: {reason} (PIL reads an opened image's file when it "
+                    "is first used)") from None
+
+
 def _grey(values: np.ndarray) -> np.ndarray:
     """Grey ``values`` (0..255, any number type) as RGB uint8 ``[H, W, 3]``, rounded and clipped."""
     levels = np.clip(np.rint(values), 0, 255).astype(np.uint8)
@@ -142,7 +152,7 @@ def rgb_frame(image: Any, *, copy: bool = False) -> np.ndarray:
     array ``[H, W, 3]``, a copy of it when ``copy``. Anything else is an `InputError` that says what it was."""
     wanted = "a frame must be an RGB uint8 array [H, W, 3] or a PIL image"
     if isinstance(image, Image.Image):
-        image = rgb_image(image)
+        image = readable_rgb_image(image, InputError)
     kind = type(image).__name__
     named = f"{wanted}, got {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
     try:

@@ -26,7 +26,7 @@ from av.stream import Disposition
 from PIL import Image
 
 from .continuity import Continuous
-from .images import decode_image, rgb_image
+from .images import decode_image, readable_rgb_image
 from .orientation import AS_STORED, Turn, display_turn
 from ..errors import FrameDecodeError, VideoError, VideoNotFoundError
 from ..settings.values import HIGHEST_FPS, printable
@@ -530,12 +530,13 @@ def _read_image_file(path: Path) -> np.ndarray:
 
 def _image_to_rgb_array(image: Any) -> np.ndarray:
     if isinstance(image, Image.Image):
-        return rgb_image(image)
+        return readable_rgb_image(image, VideoError)
     if (isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3 and image.dtype == np.uint8
             and 0 not in image.shape):
         return image
     shape = getattr(image, "shape", None)
-    raise VideoError(f"frames must be PIL images or uint8 [H, W, 3] arrays, got {type(image).__name__} {shape or ''}")
+    raise VideoError(f"frames must be PIL images or uint8 [H, W, 3] arrays, got {type(image).__name__}"
+                     + (f" {shape}" if shape else ""))
 
 
 def _short(error: Exception) -> str:
