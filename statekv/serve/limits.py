@@ -18,6 +18,8 @@ from .errors import ServiceError
 
 IMAGE_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG"}
 MOST_OPEN_FILES = 1 << 20  # what the soft limit is raised to at most
+MAX_JSON_DEPTH = 64  # no request field nests nearly so deep; a body nested near the parser's own limit left the
+# checks no room to name its bad value (a 500 RecursionError)
 
 log = logging.getLogger("statekv.serve")
 
@@ -82,12 +84,25 @@ async def read_json(request: Request, limit: int, *, optional: bool = False) -> 
         raise ServiceError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(document, dict):
         raise ServiceError(400, "the JSON body must be an object")
+    if json_depth(document) > MAX_JSON_DEPTH:
+        raise ServiceError(400, f"malformed JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     try:  # JSON may escape half a character (\ud800), which no text holds: a name, a question, an answer
         json.dumps(document, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise ServiceError(400, "malformed JSON body: it escapes a lone surrogate (\\ud800 to \\udfff), which is "
                                 "half of a character") from None
     return document
+
+
+def json_depth(document: Any) -> int:
+    """How deeply ``document``'s objects and arrays nest (an object of scalars: 1), counted a level at a time
+    without recursion, never past ``MAX_JSON_DEPTH + 1``."""
+    depth, level = 0, [document]
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return depth
 
 
 def decode_image(data: bytes, content_type: str, max_pixels: int) -> np.ndarray:
