@@ -13,6 +13,7 @@ pytest.importorskip("httpx", reason="statekv[serve] and its test clients are par
 pytest.importorskip("fastapi")
 
 from statekv.serve.limits import MAX_JSON_DEPTH  # noqa: E402
+from statekv.testing import write_test_video  # noqa: E402
 
 from test_hostile_service import Running, _error, _stream  # noqa: E402
 from test_hostile_service import options, qa  # noqa: E402,F401 -- the module's fixtures
@@ -38,3 +39,19 @@ def test_a_body_nested_near_the_parsers_limit_is_a_one_line_400(qa, tmp_path):
         assert f"more than {MAX_JSON_DEPTH} levels" in _error(beyond, 400)
         assert client.get("/v1/streams").json()["data"] == []  # nothing made
 
+
+def test_a_json_feed_given_t_as_a_query_parameter_is_refused_not_placed_elsewhere(qa, tmp_path):
+    """``?t=`` is an image's time. Before: a JSON feed given ``?t=100`` was fed from the stream's own next time
+    (0 s), the parameter silently ignored, its frames placed otherwise than asked."""
+    media = tmp_path / "media"
+    media.mkdir()
+    write_test_video(media / "clip.mp4", frames=60, fps=30.0)
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = _stream(client, frames=0)
+        reply = client.post(f"/v1/streams/{stream_id}/frames?t=100", json={"source": "clip.mp4"})
+        message = _error(reply, 400)
+        assert '"t"' in message and "query" in message, message
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 0  # nothing fed
+        fed = client.post(f"/v1/streams/{stream_id}/frames", json={"source": "clip.mp4", "t": 100})
+        assert fed.status_code == 200, fed.text
+        assert fed.json()["seconds"] == 101.0  # two frames at 1 fps, from 100 s

@@ -106,6 +106,9 @@ async def push_frames(stream_id: str, request: Request, service: Served) -> dict
     entry = await registry.find(service.keys.require(request), stream_id)
     kind = media_type(request)
     if kind == "application/json":
+        if request.query_params:  # ?t= is an image's: a feed placed otherwise than asked is never silent
+            raise ServiceError(400, f"a JSON frames body takes no query parameters (got "
+                                    f"{shown(next(iter(request.query_params)))}); give its time as \"t\" in the body")
         body = await read_json(request, config.max_body_bytes)
         unknown = sorted(set(body) - {"source", "t", "skip"})
         if unknown or "source" not in body:
