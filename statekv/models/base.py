@@ -30,8 +30,9 @@ of videos and streams at once, and a `LayoutState` is all that must be saved to 
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -131,6 +132,7 @@ class LayoutState:
         return cls(**data)
 
 
+QUESTION_SLOT = "\x00statekv-question-slot\x00"  # where `VideoAdapter.question_tokens` finds a prompt's question
 TIME_ORIGIN = "time_origin"  # `LayoutState.extra`: the time a prompt counts its video's seconds from, unless 0
 OTHER_CLOCK = 1e6  # seconds: a first frame timed this late was timed by another clock than the video's own
 
@@ -251,6 +253,47 @@ class VideoAdapter(ABC):
         return self.tokenizer.decode(new_tokens[0], skip_special_tokens=True).strip()
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def structure_tokens(self) -> tuple[str, ...]:
+        """The tokens this adapter writes into a prompt besides the tokenizer's special ones (its visual markup)."""
+        return ()
+
+    def question_tokens(self, question: str, render: Callable[[str], str]) -> torch.Tensor:
+        """The prompt ``render(question)`` -> LongTensor ``[1, Q]`` on the model's device, the user's question read
+        as text: where it holds a control token's text (a special token's, as ``<|im_end|>``, or one of
+        `structure_tokens`, as ``<IMG_CONTEXT>``), the text between the prompt's own control tokens around it is
+        tokenized without the tokenizer's added tokens, so a question never writes the model's structure. A question
+        without one is tokenized as the whole prompt."""
+        controls = self._control_tokens()
+        if controls.search(question) is None:
+            return self.tokenize(render(question))
+        before, found, after = render(QUESTION_SLOT).partition(QUESTION_SLOT)
+        if not found:
+            raise InputError(f"the question holds a control token of this model ({controls.search(question)[0]!r}) "
+                             "and its prompt layout cannot read it as text; rephrase it without")
+        head = max((match.end() for match in controls.finditer(before)), default=0)
+        first = controls.search(after)
+        tail = first.start() if first else len(after)
+        return torch.cat([self.tokenize(before[:head]), self._text_ids(before[head:] + question + after[:tail]),
+                          self.tokenize(after[tail:])], dim=1)
+
+    def _control_tokens(self) -> re.Pattern:
+        """A pattern matching the text of every control token (longest first: a token before those it holds)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+        tokens = {token.content for token in added if token.special} | set(self.structure_tokens())
+        tokens = sorted((token for token in tokens if token.strip()), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, tokens)) or "(?!)")
+
+    def _text_ids(self, text: str) -> torch.Tensor:
+        """``text`` tokenized as plain text, none of the tokenizer's added tokens matched: ``[1, T]``."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+        else:  # split_special_tokens would still match the added tokens that are not special
+            text = backend.normalizer.normalize_str(text) if backend.normalizer else text
+            pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, None)]
+            ids = [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
+
     @property
     def device(self) -> torch.device:
         return self.language_embeddings.weight.device

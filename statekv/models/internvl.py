@@ -138,12 +138,15 @@ class InternVLAdapter(VideoAdapter):
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         if self.layout == "paper":
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": [{"type": "text", "text": question}]}],
-                tokenize=False, add_generation_prompt=True)
-        else:
-            text = self._chat_turn_around_video(question)[1]
-        return self.tokenize(text)
+            return self.question_tokens(question, lambda text: self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": text}]}],
+                tokenize=False, add_generation_prompt=True))
+        return self.question_tokens(question, lambda text: self._chat_turn_around_video(text)[1])
+
+    def structure_tokens(self) -> tuple[str, ...]:
+        """The frame's markup and the chat template's video placeholder."""
+        return (self.start_image_token, self.end_image_token,
+                self.tokenizer.convert_ids_to_tokens(self.image_token_id), self.video_placeholder)
 
     # -- internals --------------------------------------------------------------------------------------
     def _prefix_text(self) -> str | None:

@@ -321,7 +321,12 @@ class Qwen3VLAdapter(VideoAdapter):
         """The outer ``<|vision_end|>``, the question, the end of the user turn and the assistant opening."""
         if not isinstance(question, str) or not question.strip():
             raise InputError(f"the question must be a non-empty string, got {question!r}")
-        return self.tokenize(self.question_open + question + self.question_close)
+        return self.question_tokens(question, lambda text: self.question_open + text + self.question_close)
+
+    def structure_tokens(self) -> tuple[str, ...]:
+        """The video's markup."""
+        return tuple(self.tokenizer.convert_ids_to_tokens([self.vision_start_id, self.video_token_id,
+                                                           self.vision_end_id]))
 
     def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
         """``prompt_ids [B, Q]`` at M-RoPE positions continuing from ``state.next_position``, decoded by the whole

@@ -179,8 +179,8 @@ class RemoteInternVLAdapter(InternVLAdapter):
 
     def question_ids(self, question: str, state: LayoutState) -> torch.Tensor:
         if self.layout == "paper":
-            return self.tokenize(self._render_user_turn(question))
-        return self.tokenize(self._chat_turn_around_video(question)[1])
+            return self.question_tokens(question, self._render_user_turn)
+        return self.question_tokens(question, lambda text: self._chat_turn_around_video(text)[1])
 
     def prompt(self, prompt_ids: torch.Tensor, state: LayoutState) -> Prompt:
         """Decoded by the language model itself: the remote ``generate`` embeds its own prompt and takes no cache."""
