@@ -46,14 +46,21 @@ def quantize(x: torch.Tensor, dim: int, bits: int, scales: torch.dtype = torch.f
     per channel over tokens; 3: per token over channels).
 
     Returns ``(codes, scale, zero)``: uint8 codes ``[B, H, T, D]`` (``[B, H, T, D / 2]`` packed for 4 bits) and
-    ``scale``/``zero`` (``x``'s shape with ``dim`` reduced to 1, in ``scales``): ``x ~ code * scale + zero``.
+    ``scale``/``zero`` (``x``'s shape with ``dim`` reduced to 1, in ``scales``; the scale rounded up): ``x ~ code *
+    scale + zero``.
     """
     levels = (1 << bits) - 1
     finite = torch.finfo(scales).max
     values = x.float()
     low, high = values.amin(dim, keepdim=True), values.amax(dim, keepdim=True)
     zero = low.clamp(-finite, finite).to(scales)
-    scale = ((high - zero.float()) / levels).clamp(0, finite).to(scales)
+    exact = ((high - zero.float()) / levels).clamp(0, finite)
+    scale = exact.to(scales)
+    kind = torch.finfo(scales)
+    if kind.bits < 32:  # rounded up where it rounded down: else the slice's largest values need a code past the
+        # last, clamped, and read back short by up to levels x its rounding (a bfloat16 scale's: most of a step)
+        larger = (exact * (1 + kind.eps) + kind.smallest_normal * kind.eps).clamp(max=finite).to(scales)
+        scale = torch.where(scale.float() < exact, larger, scale)
     step = scale.float()
     codes = ((values - zero.float()) / torch.where(step > 0, step, 1.0)).round_().clamp_(0, levels).to(torch.uint8)
     return (pack_int4(codes) if bits == 4 else codes), scale, zero
