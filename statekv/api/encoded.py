@@ -175,7 +175,7 @@ class EncodedVideo:
                 retrieval: str | None, **generate_kwargs: Any) -> torch.Tensor:
         prompt, retrieval = self.laid_out_question(question, max_new_tokens, retrieve, retrieval)
         answer = self.prefill.generate(prompt, max_new_tokens=max_new_tokens, retrieve=retrieval, **generate_kwargs)
-        self.answered(retrieval, self.prefill.last_read_steps)
+        self.answered(retrieval, self.prefill.last_read_steps, self.prefill.last_layer_steps)
         return answer
 
     def laid_out_question(self, question: str, max_new_tokens: int, retrieve: int | None | object,
@@ -198,14 +198,16 @@ class EncodedVideo:
             retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
         return prompt, retrieval
 
-    def answered(self, retrieval: Retrieval | None, read_steps: tuple[int, ...] | None) -> None:
-        """Book an answer read by ``retrieval`` (None: the whole cache) from ``read_steps``: the stats and
-        ``answer_info``."""
+    def answered(self, retrieval: Retrieval | None, read_steps: tuple[int, ...] | None,
+                 layer_steps: tuple[tuple[int, ...], ...] | None) -> None:
+        """Book an answer read by ``retrieval`` (None: the whole cache) from ``read_steps`` (each layer's retrieval
+        choosing ``layer_steps``): the stats and ``answer_info``."""
         self.stats.peak_cache_device_bytes = max(self.stats.peak_cache_device_bytes, self.peak_device_bytes)
         evicted = self.stats.evicted_frames
         self.answer_info = AnswerInfo(frames=self.frames, evicted_frames=evicted,
                                       unseen_fraction=evicted / self.frames if self.frames else 0.0,
-                                      retrieved_frames=None if retrieval is None else self.retrievable(retrieval),
+                                      retrieved_frames=None if retrieval is None else max(
+                                          (len(self.frames_of(steps)) for steps in layer_steps or ()), default=0),
                                       context="whole" if retrieval is None else "retrieved",
                                       read_frames=self.frames_of(read_steps))
 
@@ -217,16 +219,6 @@ class EncodedVideo:
         totals = self.step_frames.totals()  # only the steps asked for leave the tensor
         return tuple(frame for first, end in zip(totals[streamed].tolist(), totals[streamed + 1].tolist())
                      for frame in range(first, end))
-
-    def retrievable(self, retrieval: Retrieval) -> int:
-        """`AnswerInfo.retrieved_frames` of an answer read by ``retrieval``."""
-        first = int(torch.searchsorted(self.prefill.cache.step_starts()[1:], retrieval.keep_tokens, right=True))
-        worth = retrieval.steps * self.adapter.frames_per_step  # kept whole before ``first``: `Retrieval.choose`'s
-        if worth < self.frames - self.stats.evicted_frames - sum(self.step_frames[:first]):  # fewer: no walk
-            return worth
-        frames = self.step_frames.tensor()[first:]
-        held = frames[~self.prefill.cache.evicted_steps.mask(first + len(frames))[first:] & (frames != 0)]
-        return int(held.sum()) if retrieval.steps >= len(held) else worth
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered

@@ -112,9 +112,10 @@ class EncodingStats:
 class AnswerInfo:
     """What an answer could see (`EncodedVideo.answer_info` after `ask`): the ``frames`` encoded, the
     ``evicted_frames`` among them it could no longer see (given up under ``max_cache_bytes``) and their share
-    ``unseen_fraction``; ``retrieved_frames``: frames per layer it was answered from besides the steps kept whole
-    (the prompt prefix and sinks): ``retrieve``'s worth of steps, or every frame held after the kept ones when
-    fewer are (None: the whole cache);
+    ``unseen_fraction``; ``retrieved_frames``: the most frames any one layer read from the steps its retrieval
+    chose, besides the steps kept whole (the prompt prefix and sinks): ``retrieve``'s worth of steps, fewer when
+    fewer are held or a chosen step holds fewer frames (Qwen3-VL's last step of an odd frame count) (None: the
+    whole cache);
     ``context``: what it read, ``"whole"`` (the whole detailed cache) or ``"retrieved"`` (retrieved frames: asked
     for, or under bounded positions because the whole cache does not fit in the model's range); ``read_frames``:
     with retrieval, the frames (0-based, in the order they were encoded) some layer read, None otherwise (every

@@ -242,6 +242,15 @@ class AnswerCache(Cache):
         steps = torch.searchsorted(self.layers[0].starts, torch.cat(read), right=True) - 1
         return tuple(torch.unique(steps).tolist())
 
+    def layer_steps(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per layer that retrieved, the steps its rule chose (ascending), the steps wholly inside the kept tokens
+        (the prompt prefix and sinks) left out; None when every layer read the whole cache."""
+        if self.retrieval is None:
+            return None
+        keep, starts = self.retrieval.keep_tokens, self.layers[0].starts
+        return tuple(tuple(torch.unique(torch.searchsorted(starts, tokens[tokens >= keep], right=True) - 1).tolist())
+                     for tokens in (layer.retrieved.cpu() for layer in self.layers if layer.retrieved is not None))
+
     @property
     def device_bytes(self) -> int:
         """Bytes this cache allocated on the model's device (retrieved contexts, copies, answer room)."""

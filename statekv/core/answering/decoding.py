@@ -78,6 +78,7 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
     with prefill.streaming(cache):
         output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     prefill.last_read_steps = cache.read_steps()
+    prefill.last_layer_steps = cache.layer_steps()
     return output[:, input_ids.shape[1]:]
 
 

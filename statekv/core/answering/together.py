@@ -46,7 +46,7 @@ class Asked:
     reads (`StreamingPrefill.check_question`). max_new_tokens: the longest answer. ends: the token ids that end it.
     head: the decoding model's output embeddings (hidden states -> logits). streamer, stopping: ``generate``'s
     ``streamer`` and ``stopping_criteria``, when given. read_steps: filled in, the steps its retrieved context read
-    (None: the whole cache).
+    (None: the whole cache); layer_steps: filled in, the steps each layer's retrieval chose (`AnswerCache.layer_steps`).
     """
 
     prefill: Any
@@ -59,6 +59,7 @@ class Asked:
     streamer: Any = None
     stopping: Any = None
     read_steps: tuple[int, ...] | None = None
+    layer_steps: tuple[tuple[int, ...], ...] | None = None
 
 
 def together_row(prefill, prompt: Prompt, retrieve: Retrieval | None, plan: QuestionPlan | None,
@@ -195,6 +196,7 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
     decode_rows(first, cache, answers, lasts, done, head, take)
     for index, (row, question) in enumerate(zip(rows, questions)):
         question.read_steps = question.prefill.last_read_steps = row.answers.read_steps()
+        question.layer_steps = question.prefill.last_layer_steps = row.answers.layer_steps()
         held = [layer.rows for layer in cache.layers if layer.rows is not None]
         question.prefill.cache.note_device_bytes(sum(2 * rows_of.keys[index].numel() * rows_of.keys.element_size()
                                                      for rows_of in held))

@@ -173,6 +173,7 @@ class StreamingPrefill:
         self.track_overlap = track_overlap
         self.last_context: str | None = None  # what the last question read: "whole" (cache) or "retrieved"
         self.last_read_steps: tuple[int, ...] | None = None  # retrieved: the steps some layer read (else None)
+        self.last_layer_steps: tuple[tuple[int, ...], ...] | None = None  # retrieved: each layer's chosen steps
         self.history: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)  # the last steps only: flat memory
         self.closed = False
         self.stepping = threading.RLock()  # held while a step runs (`statekv.core.step.batching.stepping`)
