@@ -56,6 +56,25 @@ class QuestionTooLong(HorizonError):
         self.prompt, self.answer, self.room = prompt, answer, room
 
 
+class RetrievalTooWide(HorizonError):
+    """Past a bounded stream's range, the ``steps`` steps a question retrieves, of up to ``widest`` positions each,
+    and its prompt and answer (``room`` positions) do not fit in the model's ``limit`` positions; ``fitting`` steps
+    (at least 1) would. ``unit``, ``per_step``: what the count the question asked in is (``frames``, 2 per step for
+    Qwen3-VL) and ``retrieved``, how many of them the steps read."""
+
+    def __init__(self, steps: int, widest: int, room: int, limit: int, fitting: int, unit: str = "steps",
+                 per_step: int = 1, retrieved: int | None = None):
+        read = f"{steps} retrieved steps" if unit == "steps" else f"{retrieved} retrieved {unit} ({steps} steps)"
+        super().__init__(f"{read} of up to {widest} positions and the question ({room} tokens) do not fit in the "
+                         f"model's {limit} positions; retrieve at most {fitting * per_step} {unit}")
+        self.steps, self.widest, self.room, self.limit, self.fitting = steps, widest, room, limit, fitting
+
+    def counted_in(self, unit: str, per_step: int, retrieved: int) -> "RetrievalTooWide":
+        """The same refusal counted in ``unit``, ``per_step`` of them a step, the steps holding ``retrieved``."""
+        return RetrievalTooWide(self.steps, self.widest, self.room, self.limit, self.fitting, unit, per_step,
+                                retrieved)
+
+
 class VideoError(StateKVError, ValueError):
     """A video source cannot be read: wrong type, corrupt, truncated, without frames."""
 

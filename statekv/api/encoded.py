@@ -31,6 +31,7 @@ from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover, over_cap, own_engine,
                        successor_engine, why_alone)
+from .retrieved import fit_in_frames
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HandoverError, InputError, OutputError, StateKVError
 from ..core.answering.decoding import Prompt
@@ -191,9 +192,9 @@ class EncodedVideo:
         if retrieval is not None:  # checked whether or not this question retrieves
             retrieval_rule(retrieval)
         prompt = self.adapter.prompt(self.adapter.question_ids(question, self.state), self.state)
-        rule = retrieval
-        retrieval = self.retrieval(self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve, retrieval)
-        plan = self.prefill.fit_question(prompt.input_ids.shape[1], max_new_tokens, retrieval)
+        rule, frames = retrieval, self.qa.retrieve if retrieve is METHOD_DEFAULT else retrieve
+        retrieval = self.retrieval(frames, retrieval)
+        plan = fit_in_frames(self, prompt.input_ids.shape[1], max_new_tokens, retrieval, frames)
         if plan is not None and not plan.whole and retrieval is None:  # the whole cache does not fit the range
             retrieval = self.retrieval(plan.retrieve * self.adapter.frames_per_step, rule)
         return prompt, retrieval

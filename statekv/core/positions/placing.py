@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import ConfigurationError, HorizonError, InputError
+from ...errors import ConfigurationError, HorizonError, InputError, RetrievalTooWide
 from ...settings.engine import check_positions
 from ...settings.values import check_int
 from .layouts import BOUNDED_LAYOUTS, DEFAULT_LAYOUT, BoundedLayout, bounded_layout
@@ -258,14 +258,12 @@ class StreamPositions:
             return QuestionPlan(True, held_span)
         widest = max(self.widest, 1)
         fitting = (limit - room - keep_end) // widest
-        if retrieve is not None and read > fitting:
-            raise HorizonError(f"{retrieve} retrieved steps of up to {widest} positions and the question "
-                               f"({room} tokens) do not fit in the model's {limit} positions; retrieve at most "
-                               f"{fitting}")
-        if retrieve is None and fitting < 1:
+        if fitting < 1 and (retrieve is None or read > 0):  # no count of steps to hint at
             raise HorizonError(f"the question and answer ({room} tokens) leave no room for a retrieved step of "
                                f"{widest} positions in the model's {limit}; ask a shorter question or fewer answer "
                                "tokens")
+        if retrieve is not None and read > fitting:
+            raise RetrievalTooWide(read, widest, room, limit, fitting)
         steps = read if retrieve is not None else fitting
         start = keep_end + steps * widest
         if self.question_span:

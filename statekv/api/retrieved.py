@@ -1,0 +1,36 @@
+"""A question's retrieval counted in frames, as the front door asks for it (``retrieve``), while the engine counts
+steps (two frames each for Qwen3-VL, whose last step of an odd frame count holds one)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Retrieval
+from ..core.positions.placing import QuestionPlan
+from ..errors import RetrievalTooWide
+
+if TYPE_CHECKING:
+    from .encoded import EncodedVideo
+
+
+def fit_in_frames(video: "EncodedVideo", prompt_tokens: int, answer_tokens: int, retrieval: Retrieval | None,
+                  frames: int | None) -> QuestionPlan | None:
+    """`StreamingPrefill.fit_question` of ``video``'s engine for a question retrieving by ``retrieval``, made of
+    ``frames`` frames; its refusal of too many retrieved steps counted in frames: the hint is then a ``retrieve``
+    that fits."""
+    try:
+        return video.prefill.fit_question(prompt_tokens, answer_tokens, retrieval)
+    except RetrievalTooWide as error:
+        read = frames if error.steps == retrieval.steps else held_frames(video, retrieval.keep_tokens)
+        raise error.counted_in("frames", video.adapter.frames_per_step, read) from None
+
+
+def held_frames(video: "EncodedVideo", keep_tokens: int) -> int:
+    """The frames ``video``'s engine still holds in the steps after those wholly inside its first ``keep_tokens``
+    tokens (the prompt prefix and sinks): what a retrieval of every held step reads."""
+    cache = video.prefill.cache
+    first = int(torch.searchsorted(cache.step_starts()[1:], keep_tokens, right=True))
+    frames = video.step_frames.tensor()[first:]
+    return int(frames[~cache.evicted_steps.mask(first + len(frames))[first:]].sum())
