@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import statekv
 from statekv import Stream
 from statekv.api.reown import reown
 from statekv.cli import main
@@ -135,3 +136,39 @@ def test_the_stream_command_shows_a_path_holding_a_newline_on_one_line(checkpoin
     assert main(["stream", str(video), "--model", str(checkpoint), "--save", str(target)]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.endswith(f"; saved to {printable(target)}"), summary
+
+
+def _folder_of(tmp_path, length: int) -> str:
+    """A path under ``tmp_path`` (not made) of exactly ``length`` bytes, of names of 200 bytes at most."""
+    path = str(tmp_path / "tier")
+    while len(path) < length - 201:
+        path += "/" + "d" * 200
+    return path + "/" + "e" * (length - len(path) - 1)
+
+
+def test_a_disk_tier_folder_too_deep_for_its_files_is_refused_up_front_in_one_line(qa, checkpoint, tmp_path, capsys):
+    """Before: a folder within a file set's depth of the system's path limit was taken, then every step refused
+    with "File name too long". Now it is refused where it is given, by VideoQA, from_pretrained and the commands'
+    --offload-dir, and a folder one byte shorter streams, its successor's file set inside its own."""
+    from pathlib import Path
+
+    from statekv.errors import OutputError
+    from statekv.settings.engine import DISK_TIER_DEEPEST
+
+    fits = _folder_of(tmp_path, 4095 - len(DISK_TIER_DEEPEST) - 1)  # the deepest file: 4095 bytes, the most
+    deep = fits + "e"
+    stream = small_qa(qa.adapter, offload="disk", offload_dir=fits).stream()  # no horizon: a successor too
+    stream.push(noise_frames(1)[0])
+    assert stream.frames == 1 and stream.successor is not None
+    stream.close()
+    with pytest.raises(OutputError, match="^offload_dir .*: too deep for the streams' file sets in it"):
+        small_qa(qa.adapter, offload="disk", offload_dir=deep)
+    with pytest.raises(OutputError, match="^offload_dir .*: too deep for the streams' file sets in it"):
+        statekv.VideoQA.from_pretrained(checkpoint, offload="disk", offload_dir=deep)
+    for argv in (["answer", "v.mp4", "q?", "--model", str(checkpoint), "--offload", "disk", "--offload-dir", deep],
+                 ["serve", "--model", str(checkpoint), "--offload", "disk", "--offload-dir", deep, "--state-dir",
+                  str(tmp_path / "state")]):
+        assert _status(argv) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "--offload-dir" in error and "too deep for the streams' file sets" in error
+    assert not Path(deep).exists() and not (tmp_path / "state").exists()

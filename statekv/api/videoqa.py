@@ -24,7 +24,7 @@ import torch
 
 from ..builtin import resolve_model
 from ..core import CarryPolicy
-from ..settings.engine import EngineSettings
+from ..settings.engine import EngineSettings, check_disk_tier_room
 from .encoded import EncodedVideo
 from .stats import ProgressCallback, progress_reporter
 from ..errors import CacheLimitError, ConfigurationError, FrameDecodeError, InputError, StateKVError
@@ -100,6 +100,8 @@ class VideoQA:
         self.adapter = adapter
         self.policy = policy
         self.engine = EngineSettings.of(engine, **engine_changes)
+        if self.engine.offload == "disk":  # where its streams' file sets go, their successors' inside theirs
+            check_disk_tier_room(self.engine.offload_dir, "offload_dir")
         self.reserve_tokens = check_int(reserve_tokens, "reserve_tokens")
         self.method = method or type(policy).__name__
         self.vision_batch = (default_vision_batch(adapter.device) if vision_batch is None

@@ -17,13 +17,14 @@ import os
 import re
 import sys
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, OutputError
 from .setting import Setting, settings_class
 from .values import (BOOLEAN, BYTES, NON_NEGATIVE, PATH_TEXT, TEXT, Kind, boolean, byte_size, check_choice,
-                     check_int, check_output_dir, one_of)
+                     check_int, check_output_dir, one_of, printable, too_long)
 
 # the values the engine's settings take (the engine reads them from here)
 BACKENDS = ("auto", "eager", "chunked", "triton")  # `statekv.core.attention.scored`
@@ -34,6 +35,12 @@ POSITIONS = ("stream", "bounded")  # `statekv.core.positions.placing`
 BOUNDED_LAYOUTS = ("own-then-cache", "grouped", "cache")  # `statekv.core.positions.layouts.BOUNDED_LAYOUTS`
 HANDOVER = "handover"  # a stream's engine and its successor, own-then-cache then cache (`statekv.api.handover`)
 OFFLOAD_TIERS = ("disk", "memory")
+# a disk-tier file set's folder under offload_dir (`statekv.core.disk.tier.DiskTier.create`: 40 characters of a
+# name, a dash, 8 hex digits) and the longest name written in it (a layer buffer's description being replaced,
+# `statekv.core.disk.buffers`, of a layer numbered up to 999)
+FILE_SET_FOLDER, FILE_SET_LONGEST = "s" * 49, "layer999.segment_index.0.bin.json.partial"
+# the longest path a stream's disk tier writes under offload_dir: in its successor's file set, inside its own
+DISK_TIER_DEEPEST = f"{FILE_SET_FOLDER}/{FILE_SET_FOLDER}/{FILE_SET_LONGEST}"
 OFFLOAD_DEVICE = re.compile(r"(cpu|cuda|mps)(:[0-9]+)?")  # device names offload takes (torch refuses cuda:banana)
 # positions a question past the range spreads its retrieved frames over (`statekv.core.positions.placing`): the
 # span of the built-in model's training videos; a model whose frames take more packs them as before
@@ -118,12 +125,23 @@ def check_folder(value: Any, name: str) -> Any:
     return value
 
 
+def check_disk_tier_room(offload_dir: str | os.PathLike, name: str, successors: bool = True) -> None:
+    """A one-line `OutputError` when the system would refuse the paths of disk-tier files under ``offload_dir`` as
+    too long: the deepest a stream writes, `DISK_TIER_DEEPEST`, or (``successors`` False) an engine's own file
+    set's, one folder less (a stream's successor engine makes its file set inside the stream's)."""
+    deepest = DISK_TIER_DEEPEST if successors else f"{FILE_SET_FOLDER}/{FILE_SET_LONGEST}"
+    if (why := too_long(Path(os.path.expanduser(os.fspath(offload_dir))).absolute() / deepest)) is not None:
+        raise OutputError(f"{name} {printable(offload_dir)}: too deep for the streams' file sets in it, whose files "
+                          f"lie up to {len(deepest) + 1} bytes below it ({why}); give a folder of a shorter path")
+
+
 def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, cache_limit: Any, *,
-                        flags: bool = False, offloaded: bool | None = None) -> None:
+                        flags: bool = False, offloaded: bool | None = None, successors: bool = False) -> None:
     """Where the detailed cache goes and its cap, checked together (one-line `ConfigurationError`). flags: name
     the settings by their command-line flags (``--offload disk needs --offload-dir``), not as Python arguments.
     offloaded: whether the method's detailed cache leaves the model's device, when known before the engine is
-    made (an evicting cap needs it to)."""
+    made (an evicting cap needs it to). successors: the disk tier's folder is the one streams are made in, their
+    successors' file sets inside theirs (`check_disk_tier_room`); else an engine's own."""
 
     def named(name: str, value: Any = None, python: str = "") -> str:
         if not flags:
@@ -136,6 +154,7 @@ def check_cache_options(offload: Any, offload_dir: Any, max_cache_bytes: Any, ca
             raise ConfigurationError(f"{named('offload', 'disk', '=' + repr('disk'))} needs {named('offload_dir')} "
                                      "(the folder for each stream's files)")
         check_output_dir(offload_dir, named("offload_dir"))
+        check_disk_tier_room(offload_dir, named("offload_dir"), successors)
     elif offload_dir is not None:
         raise ConfigurationError(f"{named('offload_dir', offload_dir, '=' + repr(offload_dir))} is only used with "
                                  f"{named('offload', 'disk', '=' + repr('disk'))}")

@@ -218,7 +218,7 @@ class ModelOptions:
                                        and given[name] is not None}, flags=flags)
         # an evicting cap the method's cache cannot take: refused now, not when the first stream is made
         check_cache_options(options.offload, options.offload_dir, options.max_cache_bytes, options.cache_limit,
-                            flags=flags, offloaded=bool(options.offloaded))
+                            flags=flags, offloaded=bool(options.offloaded), successors=True)
         return options
 
     def with_changes(self, **changes: Any) -> "ModelOptions":
@@ -259,7 +259,7 @@ class ModelOptions:
                                                                         "cache_limit")}
         offloaded = engine["offload"] if engine["offload"] is not None else method(given.get("method", cls.method)).offload
         # on the command line, before the model loads, its problems named by their flags
-        check_cache_options(**engine, flags=True, offloaded=bool(offloaded))
+        check_cache_options(**engine, flags=True, offloaded=bool(offloaded), successors=True)
         return cls.given(flags=True, **given) if all_used else cls(**given)
 
     @classmethod
