@@ -57,6 +57,8 @@ def test_past_the_range_too_many_retrieved_frames_are_refused_with_a_hint_in_fra
         stream.ask("Why?", max_new_tokens=2, retrieve=26)
     with pytest.raises(HorizonError, match=r"^41 retrieved frames \(21 steps\) .* retrieve at most 24 frames$"):
         stream.ask("Why?", max_new_tokens=2, retrieve=100)  # every frame held: 21 steps, not 50
+    with pytest.raises(HorizonError, match=r"^41 retrieved frames \(21 steps\) "):  # 21 steps asked, 41 frames held
+        stream.ask("Why?", max_new_tokens=2, retrieve=42)
     with pytest.raises(HorizonError, match="leave no room for a retrieved step"):  # before: "retrieve at most 0"
         stream.ask("Why?", max_new_tokens=220, retrieve=2)
     stream.ask("Why?", max_new_tokens=2, retrieve=24)

@@ -23,7 +23,7 @@ def fit_in_frames(video: "EncodedVideo", prompt_tokens: int, answer_tokens: int,
     try:
         return video.prefill.fit_question(prompt_tokens, answer_tokens, retrieval)
     except RetrievalTooWide as error:
-        read = frames if error.steps == retrieval.steps else held_frames(video, retrieval.keep_tokens)
+        read = min(frames, held_frames(video, retrieval.keep_tokens))  # every held step read: no more than held
         raise error.counted_in("frames", video.adapter.frames_per_step, read) from None
 
 
