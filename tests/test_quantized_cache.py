@@ -52,7 +52,6 @@ def test_quantization_error_is_half_a_step_of_its_own_range(kv_cache_dtype, dtyp
     # the zero point is exact (the smallest of x, in a dtype as fine as x's), the scale never rounded down (it
     # would clamp the largest codes: most of a step at 8 bits in bfloat16), the sum rounded in float32
     assert bool(((restored - exact).abs() <= step / 2 * (1 + 2 * rounding) + span * 2 ** -22 + 1e-12).all())
-    bound = step / 2 * (1 + 4 * rounding) + 4 * rounding * span + 1e-12
     assert bool(((direct - exact).abs() <= step / 2 + 1e-12).all())  # the reference's own bound
     assert bool(((restored - direct).abs() <= step * (1 + 4 * rounding) + 4 * rounding * span + 1e-12).all())
     assert torch.equal(restored[0, 0, :, 3], exact[0, 0, :, 3]) if dim == 2 else True  # a constant is exact
