@@ -271,9 +271,11 @@ def default_retrieve(stream: Any) -> int | None:
     return stream.qa.retrieve
 
 
-def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **settings: Any) -> Watch:
+def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, check_fit: bool = True,
+               **settings: Any) -> Watch:
     """A watch on ``stream`` (a started `Stream`, its lock held): the question laid out once and, when the stream
-    has frames and ``evaluate_now``, evaluated at once (its first answer, from the carried state)."""
+    has frames and ``evaluate_now``, evaluated at once (its first answer, from the carried state). check_fit: False
+    reopens a saved watch whose question no longer fits (each evaluation then records its error)."""
     watch = Watch(stream, question, **settings)
     prefill = getattr(stream, "prefill", None)  # None: a stream that keeps no cache (`RecentFrames`)
     if prefill is not None:
@@ -284,8 +286,9 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, **setti
         watch.standing = standing_question(prefill, prompt)
         carried = max(layer.carried_length for layer in prefill.cache.layers)
         # against the most it will carry: a watch opened before then must not fail at every evaluation after
-        check_question_fits(prefill, watch.standing.length, watch.max_new_tokens, most_carried(prefill, carried),
-                            getattr(stream, "reserve_tokens", None))
+        if check_fit:
+            check_question_fits(prefill, watch.standing.length, watch.max_new_tokens,
+                                most_carried(prefill, carried), getattr(stream, "reserve_tokens", None))
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection
 from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError, InputError
+from ..errors import ConfigurationError, InputError, QuestionTooLong
 from ..video.sampling import slack
 from .watch import Watch, WatchEvent, open_watch
+
+log = logging.getLogger(__name__)
 
 
 def records(stream: Any, saved: Collection[str] = (), frames: int = 0) -> list[dict[str, Any]]:
@@ -66,13 +69,16 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
     """Watch ``number`` of a saved stream (its checked ``record``) opened again on ``stream``."""
     queries = [kept.get(f"watches.{number}.queries.{layer}") for layer in range(layers)]
     retrieve = record["retrieve"] if layers else None  # a server's default, once recorded for a simplestream stream
+    settings = dict(evaluate_now=False, every=record["every"], every_seconds=record["every_seconds"],
+                    max_new_tokens=record["max_new_tokens"], retrieve=retrieve, retrieval=record["retrieval"],
+                    steer=record["steer"], watch_id=record["id"])
     try:
-        watch = open_watch(stream, record["question"], evaluate_now=False, every=record["every"],
-                           every_seconds=record["every_seconds"], max_new_tokens=record["max_new_tokens"],
-                           retrieve=retrieve, retrieval=record["retrieval"], steer=record["steer"],
-                           watch_id=record["id"])
+        watch = open_watch(stream, record["question"], **settings)
     except (ConfigurationError, InputError) as error:  # a setting no watch is opened with: named with its file
         raise InputError(f"{name}: {error}") from None
+    except QuestionTooLong as error:  # opened before watches were refused for it: kept, as the stream was saved
+        watch = open_watch(stream, record["question"], check_fit=False, **settings)
+        log.warning("%s: watch %s is reopened, but %s; close it and open a shorter one", name, watch.id, error)
     watch.answer, watch.evaluations = record["answer"], record["evaluations"]
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
     watch.last_frames, watch.last_seconds = record["last_frames"], record["last_seconds"]
