@@ -35,6 +35,7 @@ BUDGETS = (16, 32, 64)
 HELD_OUT_SEED = 0
 HELD_OUT_VIDEOS = 50
 Z95 = 1.959964
+CHANCE = "chance is 25% (a guess among four options; 50% on order, which names two of them)"
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def markdown(results: dict[Setting, dict[str, tuple[int, int]]], families: list[
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} (CPU).  ",
         f"Held-out set: `statekv synthetic make --videos {HELD_OUT_VIDEOS} --seed {HELD_OUT_SEED}` "
         f"({total} questions, 96 frames per video, {tokens_per_frame} tokens per frame).  ",
-        "Cells: accuracy in % [95% Wilson interval]; chance is 25%. Budgets are carried tokens per layer and "
+        "Cells: accuracy in % [95% Wilson interval]; " + CHANCE + ". Budgets are carried tokens per layer and "
         f"KV head; recency R frames carry {tokens_per_frame} R tokens.",
         "",
         "| method | overall | " + " | ".join(families) + " |",

@@ -268,7 +268,7 @@ def _print_held_out(model, builtin, videos, questions, scored, growths, families
         print((f"  {family}".ljust(24) + "".join(f"{c}/{n}".ljust(width) for c, n in counts)).rstrip())
     if same:
         print(f"  (the same under every method: {', '.join(same)})")
-    print("(95% Wilson intervals; chance is 25%)\n")
+    print("(95% Wilson intervals; chance is 25%, 50% on order, which names two of its options)\n")
 
     growth = growths[0]
     print(f"one stream of {len(growth.tokens)} frames ({min(GROWTH_VIDEOS, len(videos))} of the videos back to "
