@@ -279,8 +279,8 @@ def markdown(results: dict[str, dict], rules: list[str], ks: tuple[int, ...], co
              f"torch {torch.__version__} (CPU).  ",
              f"{data_note} ({len(any_method)} questions).  ",
              "Recall cells: % of questions with at least one / with all of their evidence frames among the k "
-             "frames retrieved at that layer. Accuracy cells: % [95% Wilson interval]; chance is 25% (a guess among four options; 50% on "
-             "order, which names two of them).",
+             "frames retrieved at that layer. Accuracy cells: % [95% Wilson interval]; chance is 25% (a guess "
+             "among four options; 50% on order, which names two of them).",
              "", "### Evidence recall@k per layer", ""]
     layers = len(any_method[0]["runs"][f"{rules[0]}@{ks[0]}"]["steps"])
     lines += ["| method | rule | k | " + " | ".join(f"layer {i}" for i in range(layers)) + " |",

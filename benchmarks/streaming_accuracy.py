@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         f"questions, {asks} asks with the forward polls; 96 frames per video, 4 tokens per frame), evaluated with "
         "`statekv eval synthetic --mode streaming` (one live stream per video; the forward polls are evaluations "
         "of a watch opened at the first).  ",
-        "Cells: accuracy in % [95% bootstrap interval over videos]; chance is 25% (a guess among four options; 50% on order_past, which names two of "
-        "them; answering 1 at every poll of count_ahead scores about 35%). Overall: the mean of the three "
-        f"groups. Time to answer: mean seconds per question asked; cost per frame: milliseconds per frame of a "
+        "Cells: accuracy in % [95% bootstrap interval over videos]; chance is 25% (a guess among four options; "
+        "50% on order_past, which names two of them; answering 1 at every poll of count_ahead scores about 35%). "
+        f"Overall: the mean of the three groups. Time to answer: mean seconds per question asked; cost per frame: milliseconds per frame of a "
         f"video's stream, encoding and answering together; both over the first {args.timed_videos} videos with "
         "the methods taking turns video by video. Memory per stream-hour: what a stream holds after 3600 frames "
         "(1 hour at 1 fps), from streams of 48 and 96 frames.",

@@ -25,7 +25,8 @@ def test_a_saved_watch_that_no_longer_fits_reopens_and_the_stream_loads(qa, tmp_
     """Before: a stream saved before watches were refused as they open for a question that cannot fit beside the
     most the stream will carry (its watch open, failing at each evaluation) was refused by `Stream.load` with a bare
     QuestionTooLong ('ask a shorter question'), so the stream could not be loaded at all. Now it loads, the watch
-    reopened as it was saved (evaluated while it fits, its error recorded once it does not) with a warning saying to close it."""
+    reopened as it was saved (evaluated while it fits, its error recorded once it does not) with a warning saying to
+    close it."""
     frames = np.random.default_rng(1).integers(0, 256, (4, 24, 32, 3), dtype=np.uint8)
     stream = qa.stream()
     with pytest.raises(statekv.errors.QuestionTooLong):

@@ -123,8 +123,8 @@ def check_state_folder(state_dir: Path | str) -> None:
     if (why := too_long(folder.absolute())) is not None:
         raise ConfigurationError(f"--state-dir {printable(state_dir)}: {why}")
     if (why := too_long(folder.absolute() / DEEPEST)) is not None:
-        raise ConfigurationError(f"--state-dir {printable(state_dir)}: too deep for the streams' saves in it ({why} with "
-                                 f"{DEEPEST}); give a folder of a shorter path")
+        raise ConfigurationError(f"--state-dir {printable(state_dir)}: too deep for the streams' saves in it ({why} "
+                                 f"with {DEEPEST}); give a folder of a shorter path")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "streams").mkdir(exist_ok=True)
@@ -143,8 +143,8 @@ def check_state_folder(state_dir: Path | str) -> None:
     except OSError as error:
         where = error.filename if isinstance(error.filename, str) else folder
         raise ConfigurationError(f"--state-dir {printable(state_dir)}: cannot use it as the state folder "
-                                 f"({error.strerror or type(error).__name__}: {printable(where)}); give a folder this server "
-                                 "can read and write") from None
+                                 f"({error.strerror or type(error).__name__}: {printable(where)}); give a folder this "
+                                 "server can read and write") from None
 
 
 def hold_state_folder(state_dir: Path | str, holder: str) -> "FolderLocks":
