@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         "50% on order_past, which names two of them; answering 1 at every poll of count_ahead scores about 35%). "
         "Overall: the mean of the three groups. Time to answer: mean seconds per question asked; cost per frame: "
         "milliseconds per frame of a video's stream, encoding and answering together; both over the first "
-        f"{args.timed_videos} videos with the methods taking turns video by video. Memory per stream-hour: what a stream holds after 3600 frames "
-        "(1 hour at 1 fps), from streams of 48 and 96 frames.",
+        f"{args.timed_videos} videos with the methods taking turns video by video. Memory per stream-hour: what a "
+        "stream holds after 3600 frames (1 hour at 1 fps), from streams of 48 and 96 frames.",
         "",
         "| method | overall | backward | real-time | forward (watches) | time to answer (s) | cost per frame (ms) "
         "| memory per stream-hour (MB) |",
