@@ -264,7 +264,50 @@ def test_a_closed_disk_tier_stream_refuses_a_push_in_one_line(adapter, tmp_path)
         stream.push(frames[1], 1.0)
 
 
-def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch):
+def test_a_write_raising_memory_error_midway_leaves_the_disk_tier_stream_as_it_was(adapter, tmp_path, monkeypatch):
+    frames = noise_frames(5)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=5, max_fps=1)
+    stream.push(frames[0], 0.0)
+    writes = FailingWrites(monkeypatch)
+    writes.arm(None)
+    stream.push(frames[1], 1.0)
+    per_push = writes.count
+    monkeypatch.undo()
+    for fail_at in range(1, per_push + 1):  # not an OSError: raised as itself, the step undone all the same
+        before = _snapshot(stream)
+        real = os.write, os.pwrite
+        count = [0]
+
+        def failing(real_write):
+            def write(*args):
+                count[0] += 1
+                if count[0] == fail_at:
+                    raise MemoryError("no memory left")
+                return real_write(*args)
+            return write
+
+        monkeypatch.setattr(os, "write", failing(real[0]))
+        monkeypatch.setattr(os, "pwrite", failing(real[1]))
+        with pytest.raises(MemoryError, match="no memory left"):
+            stream.push(frames[2], 2.0)
+        monkeypatch.undo()
+        assert _same(_snapshot(stream), before), f"write {fail_at} of {per_push} changed the stream"
+    for t in (2, 3, 4):
+        stream.push(frames[t], float(t))
+    reference = small_qa(adapter).stream(horizon_frames=5, max_fps=1)
+    for t in range(5):
+        reference.push(frames[t], float(t))
+    assert _same(_snapshot(stream), _snapshot(reference))
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), reference.ask_tokens(QUESTION, max_new_tokens=4))
+    stream.close()
+    resumed = Stream.load(stream.prefill.disk.folder, qa)
+    assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
+@pytest.mark.parametrize("raised", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), MemoryError("no memory left")],
+                         ids=["disk full", "out of memory"])
+def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_path, monkeypatch, raised):
     qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
     streams = [qa.stream(horizon_frames=6, name=f"s{i}") for i in range(3)]
     frames = [noise_frames(6, seed=i) for i in range(3)]
@@ -276,12 +319,13 @@ def test_a_failed_write_in_a_batched_push_fails_that_stream_alone(adapter, tmp_p
 
     def pwrite(fd, data, offset):
         if Path(os.readlink(f"/proc/self/fd/{fd}")).parent == sick:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise raised
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     results = qa.push_many([(stream, frames[i][3], 3.0) for i, stream in enumerate(streams)], return_exceptions=True)
-    assert isinstance(results[1], OutputError) and results[0] is True and results[2] is True
+    assert isinstance(results[1], OutputError if isinstance(raised, OSError) else MemoryError)
+    assert results[0] is True and results[2] is True
     assert _same(_snapshot(streams[1]), before[1])
     monkeypatch.undo()
     for t in range(3, 6):

@@ -296,8 +296,8 @@ class DiskTier:
         """Journal step ``step`` (``tokens`` long), once its data is appended: the CRC of what it appended and the
         files' lengths; then, when a checkpoint is due (`checkpoint_due`) and the step ends its vision-tower call
         (``ends_vision_call``), the carried state of every layer of ``cache`` as a checkpoint. Whole or (an
-        `OutputError`) not at all: the journal is then as before the step, and `remembered` still holds the carried
-        state the step before left."""
+        `OutputError`, or whatever else raised midway) not at all: the journal is then as before the step, and
+        `remembered` still holds the carried state the step before left."""
         end, last, held = os.fstat(self._journal).st_size, self.last_step, self.held_records
         try:
             self._cache, self.last_step = cache, step
@@ -309,7 +309,7 @@ class DiskTier:
                 self.held_records += 1
             if ends_vision_call and self.checkpoint_due(step):
                 self.checkpoint()
-        except OutputError:
+        except BaseException:  # a full disk, or anything else raising midway (a MemoryError)
             self.last_step, self.held_records = last, held
             self.replayed.discard(step)
             try:

@@ -420,13 +420,13 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
         if hidden is None:
             hidden = graphs.device_step(inputs)
     chunk_len = chunk_of(inputs).shape[1]
-    failed: dict[int, OutputError] = {}
+    failed: dict[int, Exception] = {}
     for row, step in enumerate(steps):
         try:
             step.prefill.finish_step(chunk_len, step.started, step.carried_before,
                                      durable_record=step.request.durable_record,
                                      ends_vision_call=step.request.ends_vision_call, evicted=step.evicted)
-        except OutputError as error:  # its disk tier could not take the step: it alone is back as it was
+        except Exception as error:  # its disk tier could not take the step: it alone is back as it was
             failed[row] = error
     if failed:
         raise RowsFailed(failed, hidden)

@@ -267,8 +267,9 @@ class StreamingPrefill:
     def commit_durably(self, chunk_len: int, durable_record: dict, ends_vision_call: bool = True,
                        evicted: bool = False) -> None:
         """On the disk tier, the host end of a step: its data appended and journaled (see `DiskTier.commit_step`).
-        If the tier cannot write it (a full disk, a folder made read-only), the step is not taken: the stream is
-        restored as its journal's last step left it (before this step; ``evicted``: frames it evicted stay so)."""
+        If the tier cannot write it (a full disk, a folder made read-only; or anything else raising in the middle,
+        a `MemoryError`), the step is not taken: the stream is restored as its journal's last step left it (before
+        this step; ``evicted``: frames it evicted stay so), and an error other than the disk's is raised as itself."""
         try:
             self.cache.commit_host()
             if self.positions.bounded:  # where the step was placed: resuming needs it
@@ -276,8 +277,9 @@ class StreamingPrefill:
                 durable_record = {**durable_record, "placed": [at.firsts[-1], at.spans[-1], at.bases[-1]]}
             self.disk.commit_step(self.cache.step_index - 1, chunk_len, self.cache, durable_record,
                                   ends_vision_call=ends_vision_call)
-        except OutputError as error:
+        except BaseException as raised:
             folder = self.disk.folder
+            error = raised if isinstance(raised, OutputError) else f"{type(raised).__name__}: {raised}"
             if self.disk.lost:  # what the folder's path names is not this stream's: nothing is read back from it
                 self.close()
                 raise OutputError(f"{error}; the stream was closed (its files are where the folder was moved)") \
@@ -297,7 +299,9 @@ class StreamingPrefill:
                                   "closed; make it again") from None
             if self.keeper is not None:
                 self.keeper.adopt()
-            raise not_taken(error, self, evicted) from None
+            if not isinstance(raised, OutputError):
+                raise
+            raise not_taken(raised, self, evicted) from None
 
     def journal_loaded(self, step_frames: list[int], record: dict) -> None:
         """On the disk tier, journal every step of the state just loaded (:meth:`load_state_dict`), so the file
