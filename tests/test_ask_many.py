@@ -212,15 +212,27 @@ class StopAfter(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[1] - self.prompt >= self.tokens, dtype=torch.bool)
 
 
+class Lengths(StoppingCriteria):
+    """Never stops; records the length of the ids it is called with, a call per token."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(input_ids.shape[1])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 def test_a_streamer_and_stopping_criteria_are_served_as_generate_serves_them(tiny_checkpoint):
     qa = statekv.VideoQA.from_pretrained(str(tiny_checkpoint("internvl")), budget=12, attention="eager",
                                          reserve_tokens=40, dtype="float32")
     streams = streams_of(qa, random_frames(6, seed=4), [(4, 16), (6, 16)])
     prompt = streams[1].adapter.question_ids("Why?", streams[1].state).shape[1]
-    together, alone = (Recorder(), Recorder()), (Recorder(), Recorder())
+    together, alone = (Recorder(), Recorder(), Lengths()), (Recorder(), Recorder(), Lengths())
 
-    def items(streamers):
-        return [(streams[0], "What happens?", {"max_new_tokens": 5, "streamer": streamers[0]}),
+    def items(streamers):  # a criterion is called at every token, the last (at max_new_tokens) included
+        return [(streams[0], "What happens?", {"max_new_tokens": 5, "streamer": streamers[0],
+                                               "stopping_criteria": StoppingCriteriaList([streamers[2]])}),
                 (streams[1], "Why?", {"max_new_tokens": 6, "streamer": streamers[1],
                                       "stopping_criteria": StoppingCriteriaList([StopAfter(2, prompt)])})]
 
@@ -228,8 +240,9 @@ def test_a_streamer_and_stopping_criteria_are_served_as_generate_serves_them(tin
     assert qa.question_batch_sizes == {2: 1} and answers[1].shape[1] == 2
     for (stream, question, kwargs), answer in zip(items(alone), answers):
         assert torch.equal(answer, stream.ask_tokens(question, **kwargs))
-    for mine, theirs in zip(together, alone):
+    for mine, theirs in zip(together[:2], alone[:2]):
         assert mine.puts == theirs.puts and mine.ended == theirs.ended == 1  # the prompt, then token by token
+    assert together[2].seen == alone[2].seen and len(alone[2].seen) == answers[0].shape[1]
 
 
 def test_a_bad_question_fails_alone_and_bad_items_are_one_line_errors(builtin, scenes):

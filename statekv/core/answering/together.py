@@ -188,9 +188,9 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
         answers[row].append(token)
         if question.streamer is not None:
             question.streamer.put(torch.tensor([token]))
-        if token in question.ends or len(answers[row]) >= question.max_new_tokens:
-            return True
-        return question.stopping is not None and _stopped(question, answers[row], scores)
+        # as generate: the criteria see every token, the one that ends the answer included
+        stopped = question.stopping is not None and _stopped(question, answers[row], scores)
+        return stopped or token in question.ends or len(answers[row]) >= question.max_new_tokens
 
     done = [take(row, token, logits[row]) for row, token in enumerate(logits.argmax(-1).tolist())]
     decode_rows(first, cache, answers, lasts, done, head, take)
