@@ -245,6 +245,43 @@ def test_a_streamer_and_stopping_criteria_are_served_as_generate_serves_them(tin
     assert together[2].seen == alone[2].seen and len(alone[2].seen) == answers[0].shape[1]
 
 
+class Raising(Recorder):
+    """A streamer that raises at its ``at``-th put (the prompt is the first)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def put(self, value):
+        super().put(value)
+        if len(self.puts) == self.at:
+            raise RuntimeError("the client went away")
+
+
+class RaisingCriterion(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise RuntimeError("the criterion broke")
+
+
+@pytest.mark.parametrize("failing", [{"streamer": Raising(3)}, {"streamer": Raising(1)},
+                                     {"stopping_criteria": StoppingCriteriaList([RaisingCriterion()])}],
+                         ids=["streamer midway", "streamer at the prompt", "stopping criteria"])
+def test_a_question_whose_streamer_or_criteria_raise_fails_alone_and_the_others_stream_once(tiny_checkpoint,
+                                                                                              failing):
+    qa = statekv.VideoQA.from_pretrained(str(tiny_checkpoint("internvl")), budget=12, attention="eager",
+                                         reserve_tokens=40, dtype="float32")
+    streams = streams_of(qa, random_frames(6, seed=5), [(4, 16), (6, 16)])
+    together, alone = Recorder(), Recorder()
+    expected = streams[1].ask_tokens("Why?", max_new_tokens=5, streamer=alone)
+    answers = qa.ask_tokens_many([(streams[0], "What happens?", {"max_new_tokens": 5, **failing}),
+                                  (streams[1], "Why?", {"max_new_tokens": 5, "streamer": together})],
+                                 return_exceptions=True)
+    assert isinstance(answers[0], RuntimeError) and torch.equal(answers[1], expected)
+    assert together.puts == alone.puts and together.ended == 1  # told each token once, as if asked alone
+    for stream in streams:
+        stream.close()
+
+
 def test_a_bad_question_fails_alone_and_bad_items_are_one_line_errors(builtin, scenes):
     streams = streams_of(builtin, scenes, [(3, 30), (4, 30)])
     answers = builtin.ask_many([(streams[0], "  "), (streams[1], COLOUR, {"max_new_tokens": 2})],

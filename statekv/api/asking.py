@@ -97,7 +97,8 @@ def _ask_streams(qa: Any, items: Sequence[tuple], results: list) -> None:
             continue
         qa.question_batch_sizes[len(batch)] += 1
         for (index, asked, retrieval), tokens in zip(batch, answers):
-            items[index][0].answered(retrieval, asked.read_steps, asked.layer_steps)
+            if not isinstance(tokens, Exception):  # else its own streamer's or stopping criteria's error
+                items[index][0].answered(retrieval, asked.read_steps, asked.layer_steps)
             results[index] = tokens
     for index in sorted(alone):
         stream, question, kwargs = items[index]

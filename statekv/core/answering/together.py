@@ -6,7 +6,8 @@ retrieval picks with the row's own queries at that layer; under bounded position
 prompt sits at the positions ``generate`` gives it, and its answer is greedy, ending at the decoding model's end
 tokens or at its ``max_new_tokens``. The prompts run in one forward, padded on the left and masked, then one forward
 per answer token for every row still decoding (`statekv.core.answering.rows`). A streamer and stopping criteria (an
-answer given token by token, stopped once its client has gone) are served as ``generate`` serves them.
+answer given token by token, stopped once its client has gone) are served as ``generate`` serves them; one that
+raises ends its own row with that error, and the other rows go on.
 
 `together_row` says which questions take this shape: one prompt, an answer length given, greedy, and a generation
 config that adds no logits processor; anything else (sampling, a repetition penalty, beams...) is answered alone by
@@ -147,18 +148,18 @@ def batches(questions: Sequence[Asked]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def answer_together(questions: Sequence[Asked]) -> list[torch.Tensor]:
+def answer_together(questions: Sequence[Asked]) -> list[torch.Tensor | Exception]:
     """The answers ``[1, N]`` (on the host) of ``questions``, each batch of them (`batches`) as the rows of one:
-    each the tokens `StreamingPrefill.generate` gives it alone (its logits within float rounding). The streams are
-    not changed."""
-    answers: list[torch.Tensor | None] = [None] * len(questions)
+    each the tokens `StreamingPrefill.generate` gives it alone (its logits within float rounding), or the error its
+    own streamer or stopping criteria raised. The streams are not changed."""
+    answers: list[torch.Tensor | Exception | None] = [None] * len(questions)
     for members in batches(questions):
         for index, tokens in zip(members, _answer_rows([questions[i] for i in members])):
             answers[index] = tokens
     return answers
 
 
-def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
+def _answer_rows(questions: list[Asked]) -> list[torch.Tensor | Exception]:
     first = questions[0].prefill
     device, head = first.device, questions[0].head
     longest = max(question.prompt.input_ids.shape[1] for question in questions)
@@ -176,9 +177,13 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
     for index, row in enumerate(rows):
         cache.valid[index, :row.pad] = False
-    for question in questions:
+    failed: dict[int, Exception] = {}  # a row whose streamer or criteria raised: its own error, the others go on
+    for index, question in enumerate(questions):
         if question.streamer is not None:  # as generate does: the prompt first
-            question.streamer.put(question.prompt.input_ids.cpu())
+            try:
+                question.streamer.put(question.prompt.input_ids.cpu())
+            except Exception as error:  # noqa: BLE001 -- the caller's callback: its row's error alone
+                failed[index] = error
     logits = head(forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))[:, -1])  # [W, V]
     cache.valid = None
     answers: list[list[int]] = [[] for _ in questions]
@@ -186,10 +191,16 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
     def take(row: int, token: int, scores: torch.Tensor) -> bool:
         question = questions[row]
         answers[row].append(token)
-        if question.streamer is not None:
-            question.streamer.put(torch.tensor([token]))
-        # as generate: the criteria see every token, the one that ends the answer included
-        stopped = question.stopping is not None and _stopped(question, answers[row], scores)
+        if row in failed:
+            return True
+        try:
+            if question.streamer is not None:
+                question.streamer.put(torch.tensor([token]))
+            # as generate: the criteria see every token, the one that ends the answer included
+            stopped = question.stopping is not None and _stopped(question, answers[row], scores)
+        except Exception as error:  # noqa: BLE001 -- as above
+            failed[row] = error
+            return True
         return stopped or token in question.ends or len(answers[row]) >= question.max_new_tokens
 
     done = [take(row, token, logits[row]) for row, token in enumerate(logits.argmax(-1).tolist())]
@@ -200,9 +211,12 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor]:
         held = [layer.rows for layer in cache.layers if layer.rows is not None]
         question.prefill.cache.note_device_bytes(sum(2 * rows_of.keys[index].numel() * rows_of.keys.element_size()
                                                      for rows_of in held))
-        if question.streamer is not None:
-            question.streamer.end()
-    return [torch.tensor(answer, dtype=torch.long)[None] for answer in answers]
+        if question.streamer is not None and index not in failed:
+            try:
+                question.streamer.end()
+            except Exception as error:  # noqa: BLE001 -- as above
+                failed[index] = error
+    return [failed.get(index, torch.tensor(answer, dtype=torch.long)[None]) for index, answer in enumerate(answers)]
 
 
 def _stopped(question: Asked, answer: list[int], scores: torch.Tensor) -> bool:
