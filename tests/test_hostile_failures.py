@@ -521,3 +521,24 @@ def test_a_close_the_full_disk_refuses_still_closes_and_the_folder_resumes(adapt
     resumed = Stream.load(folder, qa)
     assert 1 <= resumed.frames < 3
     resumed.close()
+
+
+def test_a_close_interrupted_by_memory_error_leaves_the_stream_open_with_its_watches(adapter, tmp_path, monkeypatch):
+    """Before: the watches were closed before the close's writes, so a close a MemoryError interrupted left the
+    stream open without them, and the close that followed wrote a folder that reopened none."""
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=6, max_fps=1)
+    frames = noise_frames(5)
+    for index in range(4):
+        stream.push(frames[index], float(index))
+    stream.watch("What?", every=2)
+    monkeypatch.setattr(os, "write", lambda *args: (_ for _ in ()).throw(MemoryError("no memory left")))
+    with pytest.raises(MemoryError, match="no memory left"):
+        stream.close()
+    monkeypatch.undo()
+    assert len(stream.watches) == 1 and not stream.prefill.closed
+    stream.push(frames[4], 4.0)  # it goes on, its watch with it
+    events = len(stream.watches[0].events)
+    stream.close()
+    with Stream.load(stream.folder, qa) as resumed:
+        assert resumed.frames == 5 and [len(watch.events) for watch in resumed.watches] == [events]

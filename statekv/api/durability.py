@@ -180,7 +180,15 @@ class Durability:
         if self.tier is None:
             return
         self.tier.check_owner()  # nothing written into a folder this stream no longer holds
-        self.open_watches = lambda: watches  # closed by now: a checkpoint keeps them as they stood
+        live, self.open_watches = self.open_watches, lambda: watches  # closed by now: kept as they stood
+        try:
+            self._closing(frames, pushed, last_timestamp)
+        except BaseException as error:
+            if not isinstance(error, OutputError):  # not the disk's refusal (a MemoryError): the stream stays open
+                self.open_watches = live
+            raise
+
+    def _closing(self, frames: list[Frame], pushed: int, last_timestamp: float | None) -> None:
         taken = self.tier.checkpoints
         self.tier.checkpoint()
         folder = self.tier.folder

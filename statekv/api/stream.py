@@ -334,8 +334,6 @@ class Stream(EncodedVideo):
     @_one_at_a_time
     def close(self) -> None:
         watches = (watch_records(self), watch_tensors(self))
-        for watch in self.watches:
-            watch.close()
         lost = ([f"{len(self.pending)} frame(s) waiting for their batch are lost"] if self.pending else []) + (
             [f"its {len(watches[0])} watch(es) will not be reopened"] if watches[0] else [])
         if not self.prefill.closed and self.durability.enabled and self.durability.tier.nothing_resumable:
@@ -351,6 +349,8 @@ class Stream(EncodedVideo):
             except OutputError as error:
                 if lost:
                     log.warning("%s: %s: %s", self.name, "; ".join(lost), error)
+        for watch in self.watches:  # only now: a close that raised otherwise (a MemoryError) left them open
+            watch.close()
         self.qa.step_scheduler.forget(self)  # batches recorded with this stream (CUDA graphs) are released
         super().close()
 
