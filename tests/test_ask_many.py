@@ -7,6 +7,8 @@ retrieved frames in one batch; questions whose shapes do not allow it answered a
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import statekv
 import statekv.core.answering.together as together_module
+from statekv.core.answering.retrieval import RETRIEVAL_RULES, RetrievalRule
 from statekv.errors import InputError
 from statekv.models import load_adapter
 from statekv.synthetic.plans import plan_video
@@ -278,6 +281,37 @@ def test_a_question_whose_streamer_or_criteria_raise_fails_alone_and_the_others_
                                  return_exceptions=True)
     assert isinstance(answers[0], RuntimeError) and torch.equal(answers[1], expected)
     assert together.puts == alone.puts and together.ended == 1  # told each token once, as if asked alone
+    for stream in streams:
+        stream.close()
+
+
+@dataclass(frozen=True)
+class BrokenAtLayerOne(RetrievalRule):
+    """A retrieval rule of a user's that raises at the second layer of a question."""
+
+    name: ClassVar[str] = "broken"
+
+    def scores(self, seen):
+        if seen.layer == 1:
+            raise RuntimeError("the rule broke")
+        return torch.arange(len(seen.steps), dtype=torch.float)
+
+
+def test_a_question_whose_retrieval_raises_fails_alone_and_a_streamed_one_is_answered(tiny_checkpoint,
+                                                                                        monkeypatch):
+    """Before: the other question of the batch, streamed, failed with the broken rule's error (its streamer had
+    been handed its prompt, so it was not asked again alone)."""
+    monkeypatch.setitem(RETRIEVAL_RULES, "broken", BrokenAtLayerOne())
+    qa = statekv.VideoQA.from_pretrained(str(tiny_checkpoint("internvl")), budget=12, attention="eager",
+                                         reserve_tokens=40, dtype="float32")
+    streams = streams_of(qa, random_frames(6, seed=6), [(5, 16), (6, 16)])
+    together, alone = Recorder(), Recorder()
+    expected = streams[1].ask_tokens("Why?", max_new_tokens=5, streamer=alone)
+    answers = qa.ask_tokens_many([(streams[0], "What?", {"max_new_tokens": 5, "retrieve": 2, "retrieval": "broken"}),
+                                  (streams[1], "Why?", {"max_new_tokens": 5, "streamer": together})],
+                                 return_exceptions=True)
+    assert isinstance(answers[0], RuntimeError) and "the rule broke" in str(answers[0])
+    assert torch.equal(answers[1], expected) and together.puts == alone.puts and together.ended == 1
     for stream in streams:
         stream.close()
 

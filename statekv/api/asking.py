@@ -90,7 +90,7 @@ def _ask_streams(qa: Any, items: Sequence[tuple], results: list) -> None:
                 continue
             for index, asked, _ in batch:
                 restart = getattr(asked.streamer, "restart", None)  # one whose text was read cannot start over
-                if asked.streamer is None or restart is not None and restart():
+                if asked.streamer is None or not asked.told or restart is not None and restart():
                     alone.append(index)
                 else:
                     results[index] = error

@@ -48,6 +48,7 @@ class Asked:
     head: the decoding model's output embeddings (hidden states -> logits). streamer, stopping: ``generate``'s
     ``streamer`` and ``stopping_criteria``, when given. read_steps: filled in, the steps its retrieved context read
     (None: the whole cache); layer_steps: filled in, the steps each layer's retrieval chose (`AnswerCache.layer_steps`).
+    told: filled in, whether its streamer was handed anything (a question whose batch failed before is asked again).
     """
 
     prefill: Any
@@ -61,6 +62,7 @@ class Asked:
     stopping: Any = None
     read_steps: tuple[int, ...] | None = None
     layer_steps: tuple[tuple[int, ...], ...] | None = None
+    told: bool = False
 
 
 def together_row(prefill, prompt: Prompt, retrieve: Retrieval | None, plan: QuestionPlan | None,
@@ -177,14 +179,15 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor | Exception]:
     cache.valid = torch.ones(len(rows), longest, dtype=torch.bool, device=device)
     for index, row in enumerate(rows):
         cache.valid[index, :row.pad] = False
+    logits = head(forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))[:, -1])  # [W, V]
     failed: dict[int, Exception] = {}  # a row whose streamer or criteria raised: its own error, the others go on
     for index, question in enumerate(questions):
-        if question.streamer is not None:  # as generate does: the prompt first
+        if question.streamer is not None:  # as generate does: the prompt first (once the prompts ran: a batch
+            question.told = True  # failing there, a row's retrieval say, is answered again alone, unseen)
             try:
                 question.streamer.put(question.prompt.input_ids.cpu())
             except Exception as error:  # noqa: BLE001 -- the caller's callback: its row's error alone
                 failed[index] = error
-    logits = head(forward_rows(first, cache, torch.cat(ids), torch.cat(positions, dim=-2))[:, -1])  # [W, V]
     cache.valid = None
     answers: list[list[int]] = [[] for _ in questions]
 
