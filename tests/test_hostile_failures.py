@@ -76,6 +76,21 @@ class FailingWrites:
         self.count, self.fail_at = 0, fail_at
 
 
+def _goes_on_as_never_failed(stream, qa, adapter, frames) -> None:
+    """``stream``, two frames pushed and its third failed, takes frames 2 to 4 and is then, in memory and in its files,
+    the stream of frames 0 to 4 that never failed: nothing lost, nothing twice."""
+    for t in (2, 3, 4):
+        stream.push(frames[t], float(t))
+    reference = small_qa(adapter).stream(horizon_frames=5, max_fps=1)
+    for t in range(5):
+        reference.push(frames[t], float(t))
+    assert _same(_snapshot(stream), _snapshot(reference))
+    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), reference.ask_tokens(QUESTION, max_new_tokens=4))
+    stream.close()
+    resumed = Stream.load(stream.prefill.disk.folder, qa)
+    assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+
+
 @pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS], ids=["disk full", "read-only"])
 def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(adapter, tmp_path, monkeypatch,
                                                                                number):
@@ -98,16 +113,7 @@ def test_every_write_of_a_disk_tier_push_can_fail_and_the_stream_is_as_it_was(ad
         assert "\n" not in message and reason in message and ("as it was" in message or "as before" in message)
         writes.arm(None)
         assert _same(_snapshot(stream), before), f"write {fail_at} of {per_push} changed the stream"
-    for t in (2, 3, 4):  # the same frames again, now that the disk takes them
-        stream.push(frames[t], float(t))
-    reference = small_qa(adapter).stream(horizon_frames=5, max_fps=1)
-    for t in range(5):
-        reference.push(frames[t], float(t))
-    assert _same(_snapshot(stream), _snapshot(reference))
-    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), reference.ask_tokens(QUESTION, max_new_tokens=4))
-    stream.close()
-    resumed = Stream.load(stream.prefill.disk.folder, qa)  # and its files say the same: nothing lost, nothing twice
-    assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+    _goes_on_as_never_failed(stream, qa, adapter, frames)
 
 
 def test_steps_the_disk_refused_once_and_took_again_resume_from_their_files(adapter, tmp_path, monkeypatch):
@@ -293,16 +299,7 @@ def test_a_write_raising_memory_error_midway_leaves_the_disk_tier_stream_as_it_w
             stream.push(frames[2], 2.0)
         monkeypatch.undo()
         assert _same(_snapshot(stream), before), f"write {fail_at} of {per_push} changed the stream"
-    for t in (2, 3, 4):
-        stream.push(frames[t], float(t))
-    reference = small_qa(adapter).stream(horizon_frames=5, max_fps=1)
-    for t in range(5):
-        reference.push(frames[t], float(t))
-    assert _same(_snapshot(stream), _snapshot(reference))
-    assert torch.equal(stream.ask_tokens(QUESTION, max_new_tokens=4), reference.ask_tokens(QUESTION, max_new_tokens=4))
-    stream.close()
-    resumed = Stream.load(stream.prefill.disk.folder, qa)
-    assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
+    _goes_on_as_never_failed(stream, qa, adapter, frames)
 
 
 @pytest.mark.parametrize("raised", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), MemoryError("no memory left")],

@@ -222,12 +222,7 @@ def test_after_a_kill_the_frames_pushed_again_send_their_events_under_new_ids_to
     stream's events after such a kill is numbered anew: a client is sent each new event once, in order, and none
     it read again."""
     state, killed = tmp_path / "state", tmp_path / "killed"
-    with Running(state, qa) as server, server.client() as client:  # saved at frame 6 as it stops
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        watch = client.post(f"/v1/streams/{stream_id}/watches",
-                            json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"]
-        push(client, stream_id, pictures, 3, 6)
+    stream_id, watch = watched_and_stopped(state, qa, pictures)
     with Running(state, qa) as server, server.client() as client:
         push(client, stream_id, pictures, 6, 15)
         before = _sent(client, stream_id, [watch])
@@ -243,3 +238,15 @@ def test_after_a_kill_the_frames_pushed_again_send_their_events_under_new_ids_to
         assert followed(server, stream_id, len(again), read[-1][0]) == again  # past the save: sent them all
         kept = [item for item in read if item[1]["frame"] <= 6]
         assert followed(server, stream_id, len(kept) - 1 + len(again), kept[0][0]) == kept[1:] + again
+
+
+def watched_and_stopped(state, qa, pictures) -> tuple[str, str]:
+    """A stream served from ``state`` with a count watch opened at frame 3, six frames pushed and the server stopped
+    (saved at frame 6): its id and the watch's."""
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches",
+                            json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"]
+        push(client, stream_id, pictures, 3, 6)
+    return stream_id, watch

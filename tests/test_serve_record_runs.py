@@ -15,7 +15,8 @@ pytest.importorskip("fastapi")
 from statekv.serve.store import StreamFiles  # noqa: E402
 
 import test_serve_watches as serve_tests  # noqa: E402
-from test_serve_watches import COUNT, Running, followed, push  # noqa: E402
+from test_hostile_watch_resume import watched_and_stopped  # noqa: E402
+from test_serve_watches import Running, followed, push  # noqa: E402
 
 qa, pictures = serve_tests.qa, serve_tests.pictures  # its module's fixtures
 
@@ -40,12 +41,7 @@ def test_a_run_of_events_whose_record_cannot_be_written_is_not_sent_and_never_nu
     events under ids a client had read (``1:15.w_...`` twice). Now its events are sent once their run is recorded:
     until then a feed ends in one line saying why, and follows once the record can be written."""
     state, killed = tmp_path / "state", tmp_path / "killed"
-    with Running(state, qa) as server, server.client() as client:  # saved at frame 6 as it stops
-        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
-        push(client, stream_id, pictures, 0, 3)
-        watch = client.post(f"/v1/streams/{stream_id}/watches",
-                            json={"question": COUNT, "every": 3, "max_new_tokens": 4}).json()["id"]
-        push(client, stream_id, pictures, 3, 6)
+    stream_id, watch = watched_and_stopped(state, qa, pictures)
     real_write = StreamFiles.write_record
 
     def disk_full(files, record):
