@@ -3,7 +3,7 @@ steps (two frames each for Qwen3-VL, whose last step of an odd frame count holds
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -11,13 +11,10 @@ from ..core import Retrieval
 from ..core.positions.placing import QuestionPlan
 from ..errors import RetrievalTooWide
 
-if TYPE_CHECKING:
-    from .encoded import EncodedVideo
 
-
-def fit_in_frames(video: "EncodedVideo", prompt_tokens: int, answer_tokens: int, retrieval: Retrieval | None,
+def fit_in_frames(video: Any, prompt_tokens: int, answer_tokens: int, retrieval: Retrieval | None,
                   frames: int | None) -> QuestionPlan | None:
-    """`StreamingPrefill.fit_question` of ``video``'s engine for a question retrieving by ``retrieval``, made of
+    """`StreamingPrefill.fit_question` of ``video``'s engine (an `EncodedVideo`) for a question retrieving by ``retrieval``, made of
     ``frames`` frames; its refusal of too many retrieved steps counted in frames: the hint is then a ``retrieve``
     that fits."""
     try:
@@ -27,7 +24,7 @@ def fit_in_frames(video: "EncodedVideo", prompt_tokens: int, answer_tokens: int,
         raise error.counted_in("frames", video.adapter.frames_per_step, read) from None
 
 
-def held_frames(video: "EncodedVideo", keep_tokens: int) -> int:
+def held_frames(video: Any, keep_tokens: int) -> int:
     """The frames ``video``'s engine still holds in the steps after those wholly inside its first ``keep_tokens``
     tokens (the prompt prefix and sinks): what a retrieval of every held step reads."""
     cache = video.prefill.cache
