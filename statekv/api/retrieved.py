@@ -14,9 +14,9 @@ from ..errors import RetrievalTooWide
 
 def fit_in_frames(video: Any, prompt_tokens: int, answer_tokens: int, retrieval: Retrieval | None,
                   frames: int | None) -> QuestionPlan | None:
-    """`StreamingPrefill.fit_question` of ``video``'s engine (an `EncodedVideo`) for a question retrieving by ``retrieval``, made of
-    ``frames`` frames; its refusal of too many retrieved steps counted in frames: the hint is then a ``retrieve``
-    that fits."""
+    """`StreamingPrefill.fit_question` of ``video``'s engine (an `EncodedVideo`) for a question retrieving by
+    ``retrieval``, made of ``frames`` frames; its refusal of too many retrieved steps counted in frames: the hint is
+    then a ``retrieve`` that fits."""
     try:
         return video.prefill.fit_question(prompt_tokens, answer_tokens, retrieval)
     except RetrievalTooWide as error:
