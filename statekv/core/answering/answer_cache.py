@@ -233,23 +233,20 @@ class AnswerCache(Cache):
             mask = self.masks.get(shape) or self.masks.setdefault(shape, ChunkMask(*shape))
         return chunk_attention(q, keys, values, scale=scale, mask=mask)
 
-    def read_steps(self) -> tuple[int, ...] | None:
-        """The steps whose tokens some layer's retrieved context read (ascending), None when every layer read the
-        whole cache."""
-        read = [layer.retrieved.cpu() for layer in self.layers if layer.retrieved is not None]
-        if not read:
-            return None
-        steps = torch.searchsorted(self.layers[0].starts, torch.cat(read), right=True) - 1
-        return tuple(torch.unique(steps).tolist())
-
-    def layer_steps(self) -> tuple[tuple[int, ...], ...] | None:
-        """Per layer that retrieved, the steps its rule chose (ascending), the steps wholly inside the kept tokens
-        (the prompt prefix and sinks) left out; None when every layer read the whole cache."""
+    def steps_read(self) -> tuple[tuple[int, ...] | None, tuple[tuple[int, ...], ...] | None]:
+        """The steps whose tokens some layer's retrieved context read (ascending), and per layer that retrieved, the
+        steps its rule chose (ascending; the steps wholly inside the kept tokens, the prompt prefix and sinks, left
+        out); each None when every layer read the whole cache. One copy from the device for every layer."""
+        retrieved = [layer.retrieved for layer in self.layers if layer.retrieved is not None]
+        host = torch.cat(retrieved).cpu().split([len(tokens) for tokens in retrieved]) if retrieved else ()
+        starts = self.layers[0].starts
+        read = tuple(torch.unique(torch.searchsorted(starts, torch.cat(host), right=True) - 1).tolist()) if host \
+            else None
         if self.retrieval is None:
-            return None
-        keep, starts = self.retrieval.keep_tokens, self.layers[0].starts
-        return tuple(tuple(torch.unique(torch.searchsorted(starts, tokens[tokens >= keep], right=True) - 1).tolist())
-                     for tokens in (layer.retrieved.cpu() for layer in self.layers if layer.retrieved is not None))
+            return read, None
+        keep = self.retrieval.keep_tokens
+        return read, tuple(tuple(torch.unique(torch.searchsorted(starts, tokens[tokens >= keep], right=True) - 1)
+                                 .tolist()) for tokens in host)
 
     @property
     def device_bytes(self) -> int:

@@ -77,8 +77,7 @@ def generate_from_cache(prefill, input_ids: torch.Tensor, *, model: torch.nn.Mod
     share_language_attention(prefill.model)
     with prefill.streaming(cache):
         output = model.generate(input_ids=input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
-    prefill.last_read_steps = cache.read_steps()
-    prefill.last_layer_steps = cache.layer_steps()
+    prefill.last_read_steps, prefill.last_layer_steps = cache.steps_read()
     return output[:, input_ids.shape[1]:]
 
 

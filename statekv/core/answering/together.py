@@ -47,7 +47,7 @@ class Asked:
     reads (`StreamingPrefill.check_question`). max_new_tokens: the longest answer. ends: the token ids that end it.
     head: the decoding model's output embeddings (hidden states -> logits). streamer, stopping: ``generate``'s
     ``streamer`` and ``stopping_criteria``, when given. read_steps: filled in, the steps its retrieved context read
-    (None: the whole cache); layer_steps: filled in, the steps each layer's retrieval chose (`AnswerCache.layer_steps`).
+    (None: the whole cache); layer_steps: filled in, the steps each layer's retrieval chose (`AnswerCache.steps_read`).
     told: filled in, whether its streamer was handed anything (a question whose batch failed before is asked again).
     """
 
@@ -209,8 +209,8 @@ def _answer_rows(questions: list[Asked]) -> list[torch.Tensor | Exception]:
     done = [take(row, token, logits[row]) for row, token in enumerate(logits.argmax(-1).tolist())]
     decode_rows(first, cache, answers, lasts, done, head, take)
     for index, (row, question) in enumerate(zip(rows, questions)):
-        question.read_steps = question.prefill.last_read_steps = row.answers.read_steps()
-        question.layer_steps = question.prefill.last_layer_steps = row.answers.layer_steps()
+        question.read_steps, question.layer_steps = row.answers.steps_read()
+        question.prefill.last_read_steps, question.prefill.last_layer_steps = question.read_steps, question.layer_steps
         held = [layer.rows for layer in cache.layers if layer.rows is not None]
         question.prefill.cache.note_device_bytes(sum(2 * rows_of.keys[index].numel() * rows_of.keys.element_size()
                                                      for rows_of in held))
