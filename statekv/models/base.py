@@ -29,6 +29,7 @@ of videos and streams at once, and a `LayoutState` is all that must be saved to 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from abc import ABC, abstractmethod
@@ -263,7 +264,7 @@ class VideoAdapter(ABC):
         `structure_tokens`, as ``<IMG_CONTEXT>``), the text between the prompt's own control tokens around it is
         tokenized without the tokenizer's added tokens, so a question never writes the model's structure. A question
         without one is tokenized as the whole prompt."""
-        controls = self._control_tokens()
+        controls = self._control_tokens
         if controls.search(question) is None:
             return self.tokenize(render(question))
         before, found, after = render(QUESTION_SLOT).partition(QUESTION_SLOT)
@@ -276,6 +277,7 @@ class VideoAdapter(ABC):
         return torch.cat([self.tokenize(before[:head]), self._text_ids(before[head:] + question + after[:tail]),
                           self.tokenize(after[tail:])], dim=1)
 
+    @functools.cached_property
     def _control_tokens(self) -> re.Pattern:
         """A pattern matching the text of every control token (longest first: a token before those it holds)."""
         added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
