@@ -27,8 +27,8 @@ normalised over the segments per query head and token, the largest over the ques
 heads; ``rekv`` ranks segments by its own score of their mean key), the segments of the steps earlier layers chose,
 and the open segment (the latest steps). ``attention`` then shares the question's attention among those steps'
 keys and the kept ones', the other segments each standing in its softmax for its sampled keys that are not kept
-by its mean key (weighted by their count), every key once: one question costs ``O(segments + steps x
-SEGMENT_STEPS)`` per layer instead of ``O(steps of the stream)``.
+by the mean key of its steps that are not kept (weighted by their count), every key once: one question costs
+``O(segments + steps x SEGMENT_STEPS)`` per layer instead of ``O(steps of the stream)``.
 """
 
 from __future__ import annotations
@@ -368,8 +368,8 @@ class Retrieval:
     def _others(self, seen: LayerQuestion, candidates: torch.Tensor, first: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What stands in the ``attention`` rule's softmax for the keys outside ``candidates``, each once: the kept
-        steps' sampled keys (weight 1 each) and every other complete segment's mean key, weighted by the sampled
-        keys of its steps that are not kept (log weights; a segment kept whole is its kept steps' keys alone)."""
+        steps' sampled keys (weight 1 each) and every other complete segment's mean key over its steps that are
+        not kept, weighted by their sampled keys (log weights; a segment kept whole is its kept steps' keys alone)."""
         if not isinstance(self.rule, AttentionShare) or seen.segments is None:
             return None
         per_segment, most = seen.segment_steps, self.rule.keys_per_step
@@ -385,12 +385,14 @@ class Retrieval:
             starts = seen.step_starts
             tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
             means = segment_means(index[:, rest.to(index.device)].float(), tokens.to(index.device)[None, :, None])
+            split = first // per_segment  # a segment whose first steps are kept: its mean key stands for the others
+            if first % per_segment and seen.samples is not None and split < index.shape[1]:
+                means = _without_kept(seen, index, rest, means, first)
             if seen.segment_turns is not None:
                 means = rotate(means[None], seen.segment_turns[rest].to(means.device).expand(1, means.shape[0], -1),
                                seen.frequencies)[0]
             keys.append(means)
             counts = _sampled_per_segment(seen, index.shape[1], most)[rest]
-            split = first // per_segment  # a segment whose first steps are kept: its mean key stands for the others
             if first % per_segment and seen.samples is not None and split < index.shape[1]:
                 held = torch.diff(starts[first:(split + 1) * per_segment + 1]).double().clamp(max=most).sum()
                 counts = torch.where(rest == split, held, counts)
@@ -464,6 +466,26 @@ def segment_means(index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     dim = index.shape[-1] // 3
     means = index[..., 2 * dim:] / tokens
     return torch.where(means.isfinite(), means, (index[..., :dim].float() + index[..., dim:2 * dim].float()) / 2)
+
+
+def _without_kept(seen: LayerQuestion, index: torch.Tensor, rest: torch.Tensor, means: torch.Tensor,
+                  first: int) -> torch.Tensor:
+    """``means`` ``[H_kv, len(rest), D]`` (the mean keys of segments ``rest`` from their rows of ``index``
+    ``[H_kv, G, 3 D]``) with the segment that step ``first`` lies in, if among them, standing for its steps from
+    ``first`` on alone: its keys' sum less its kept steps' (their mean keys times their lengths), over their tokens
+    (where that sum overflowed the model's dtype, the mean `segment_means` gave)."""
+    per_segment, dim = seen.segment_steps, index.shape[-1] // 3
+    split = first // per_segment
+    at = (rest == split).nonzero().squeeze(1)
+    if not at.numel():
+        return means
+    starts, device = seen.step_starts, index.device
+    lengths = torch.diff(starts[split * per_segment:first + 1]).float().to(device)  # the kept steps' tokens
+    kept = seen.step_means[0, :, split * per_segment:first].float().to(device) * lengths[None, :, None]
+    held = (index[:, split, 2 * dim:].float() - kept.sum(1)) / float(starts[(split + 1) * per_segment] - starts[first])
+    means = means.clone()
+    means[:, int(at)] = torch.where(held.isfinite(), held, means[:, int(at)])
+    return means
 
 
 def segment_bounds(seen: LayerQuestion) -> torch.Tensor:
