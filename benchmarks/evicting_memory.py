@@ -22,7 +22,7 @@ With ``--address``, each sample also records the process's address space (``VmSi
 tables take (``VmPTE``, not part of resident memory), from /proc/self/status: a buffer addressed by every token ever
 streamed keeps growing both after its evicted pages went back to the OS. An evicting stream keeps its rows per
 token in blocks (`statekv.core.storage.blocks`), which keeps their part flat; its buffers with a row per step (the
-step summaries, 17 keys a step, the segment index, the key scales) are one allocation each and still double as
+step summaries, 17 keys a step, the segment index; the key scales are in blocks) are one allocation each and double as
 steps come. The built-in model's frames are 4 tokens, so these are two thirds of its growth here; at 256 tokens a
 frame they are about a thirtieth of what the rows per token would be.
 """

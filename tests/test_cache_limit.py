@@ -559,9 +559,9 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
 
 def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tokens_in_blocks(adapter):
     """Pinned host memory cannot give pages back (a model on a GPU, offloaded): an evicting stream's buffers are
-    made unpinned, and those with a row per token are kept in blocks (`BlockBuffer`), so what it evicts leaves its
-    address space too; a stream that keeps everything keeps pinned buffers, one allocation each. tests/test_cuda.py
-    checks the memory itself on a GPU."""
+    made unpinned, and those read row by row (a row per token, the keys' scales) are kept in blocks (`BlockBuffer`),
+    so what it evicts leaves its address space too; a stream that keeps everything keeps pinned buffers, one
+    allocation each. tests/test_cuda.py checks the memory itself on a GPU."""
     from statekv.core.storage.blocks import BlockBuffer
     from statekv.core.storage.buffers import TokenBuffer
 
@@ -572,10 +572,10 @@ def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tok
             assert stream.prefill.tier.evicts is evicts, (limit, dtype)
             storage = stream.prefill.cache.layers[0].storage
             per_token = [storage.detailed] if dtype is None else [storage.key_codes, storage.value_codes,
-                                                                   storage.value_scales]
+                                                                   storage.value_scales, storage.key_scales]
             kind = BlockBuffer if evicts else TokenBuffer
             assert all(type(buffer) is kind for buffer in per_token), (limit, dtype)
-            per_step = [storage.block_keys, storage.step_samples] + ([] if dtype is None else [storage.key_scales])
+            per_step = [storage.block_keys, storage.step_samples]
             assert all(type(buffer) is TokenBuffer and buffer.pin is not evicts for buffer in per_step), (limit, dtype)
 
 

@@ -41,17 +41,21 @@ class BufferFactory(Protocol):
 
 
 PER_TOKEN = ("detailed", "key_codes", "value_codes", "value_scales")  # the buffers with a row per token
+# read only row by row, never as one view of every row: kept in blocks by a stream that evicts (the keys' scales
+# have a row per step, read for the tokens read; the step summaries and segment index are read whole by retrieval)
+IN_BLOCKS = (*PER_TOKEN, "key_scales")
 
 
 def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None],
                    evicts: bool = False) -> BufferFactory:
     """The default ``make_buffer``: a :class:`TokenBuffer` in ``device`` memory (None: where the first write
     comes from) that tells ``on_replace`` when it moves. For a stream that ``evicts`` (in host memory): never
-    pinned, and its buffers with a row per token in blocks (`statekv.core.storage.blocks`)."""
+    pinned, and its buffers read row by row (`IN_BLOCKS`: those with a row per token, the keys' scales) in blocks
+    (`statekv.core.storage.blocks`), so what it holds of them follows what it keeps, not what it streamed."""
     in_blocks = evicts and device is not None and torch.device(device).type == "cpu"
 
     def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer | BlockBuffer:
-        if in_blocks and name in PER_TOKEN:
+        if in_blocks and name in IN_BLOCKS:
             return BlockBuffer(parts, capacity_hint, on_replace)
         return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=not evicts)
     return make_buffer

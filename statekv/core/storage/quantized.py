@@ -204,7 +204,7 @@ class QuantizedStorage(OffloadedStorage):
         """Tokens ``[start, end)`` dequantized, ``[B, H_kv, end - start, D]`` each (default: on the storage's
         device, in the model's dtype)."""
         steps = self._step_of(torch.arange(start, end, device=self._where))
-        parts = (self.key_codes.view(start, end)[0], self.key_scales.keys.index_select(2, steps),
+        parts = (self.key_codes.view(start, end)[0], self.key_scales.gather(steps)[0],
                  self.value_codes.view(start, end)[0], self.value_scales.view(start, end)[0])
         return self._dequantized(parts, device, dtype)
 
@@ -219,7 +219,8 @@ class QuantizedStorage(OffloadedStorage):
 
     @property
     def _where(self) -> torch.device:
-        return self.key_scales.keys.device  # a buffer per step: one tensor (the per-token ones may be in blocks)
+        scales = self.key_scales  # one tensor, or (a stream that evicts) blocks in host memory
+        return scales.device if scales.keys is None else scales.keys.device
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to."""
