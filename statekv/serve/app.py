@@ -53,6 +53,13 @@ class Hosting:
     async def run(self, service: "Service") -> None:
         """Work that runs beside the server for its whole life (cancelled at shutdown)."""
 
+    def uploads(self, config: ServeConfig) -> Path:
+        """Where the page keeps a file being uploaded until it is fed: the state folder's ``uploads/`` (swept as
+        the server starts, `StreamFiles.sweep_partials`), or, with none, a folder of this machine's."""
+        if config.state_dir is not None:
+            return Path(config.state_dir) / UPLOADS
+        return Path(tempfile.gettempdir()) / f"statekv-uploads-{os.getpid()}"
+
     def exposition(self, service: "Service") -> bytes:
         """What ``GET /metrics`` answers."""
         return service.metrics.exposition()
@@ -90,11 +97,8 @@ class Service:
 
     @property
     def uploads(self) -> Path:
-        """Where the page keeps a file being uploaded until it is fed: the state folder's ``uploads/``, or, with
-        none (replicas over an object store), a folder of this machine's."""
-        if self.config.state_dir is not None:
-            return Path(self.config.state_dir) / UPLOADS
-        return Path(tempfile.gettempdir()) / f"statekv-uploads-{self.hosting.replica or os.getpid()}"
+        """Where the page keeps a file being uploaded until it is fed (`Hosting.uploads`)."""
+        return self.hosting.uploads(self.config)
 
     def answered(self, route: str, seconds: float) -> None:
         """Count a question answered through ``route`` (``ask``, ``chat`` or ``page``) and its latency."""

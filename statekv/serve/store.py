@@ -47,6 +47,7 @@ TIER_NAME = re.compile(r"^[\w-]{1,80}$")  # a disk-tier folder's name under offl
 # script: folders made before their names were kept to ASCII)
 QUARANTINE = "quarantine"  # the state folder's subfolder of quarantine notes and moved file sets
 UPLOADS = "uploads"  # the state folder's subfolder of the videos the page is feeding
+REPLICA_UPLOADS = "replicas"  # its subfolder of each replica's (`statekv.serve.cluster.uploads`)
 SERVER_LOCK = "server.lock"
 REPLICAS_LOCK = "replicas.lock"
 SAVE_PARTIAL = re.compile(r"\.safetensors\.[0-9a-f]{8}\.partial$")  # a saved stream's partial folder (Stream.save)
@@ -417,7 +418,8 @@ class StreamFiles:
         """Remove what writes cut short left (a kill before a write's rename): the partial files of `write_atomic`
         (each write has its own) and the partial folders of saved streams (`statekv.Stream.save`); a moved file
         set's partial copy stays; and the videos the page was feeding when the server stopped (``uploads/``: a feed
-        removes its own when it ends). Only for a server that holds the folder alone, as it starts."""
+        removes its own when it ends; ``uploads/replicas/``, those of replicas that served the folder before). Only
+        for a server that holds the folder alone, as it starts."""
         uploads = self.folder.parent / UPLOADS
         for path in uploads.iterdir() if uploads.is_dir() and not uploads.is_symlink() else ():
             with contextlib.suppress(OSError):
@@ -425,6 +427,8 @@ class StreamFiles:
                     path.unlink()
                     log.warning("removed %s/%s, a video the page was feeding when the server stopped (the stream "
                                 "keeps the frames it saved)", UPLOADS, path.name)
+                elif path.name == REPLICA_UPLOADS and path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)  # no replica serves a folder a server holds alone
         for folder in (self.folder, self.quarantine):
             for path in folder.glob("*.partial") if folder.is_dir() else ():
                 with contextlib.suppress(OSError):

@@ -31,6 +31,7 @@ from .leases import LEASE_SECONDS, Leases
 from .objects import ObjectStore, StoreError
 from .shared import LeasedPlacement
 from .store_files import StoreKeyFile, StoreStreamFiles
+from .uploads import ReplicaUploads, uploads_root
 
 log = logging.getLogger("statekv.serve")
 STOP_CHECK_SECONDS = 2.0  # how often a replica asks whether its deployment is stopping (Ray Serve's
@@ -71,14 +72,20 @@ class ReplicaHosting(Hosting):
                 raise
         self.check_seconds = min(1.0, lease_seconds / 5)
         self.shared: StreamRegistry | None = None
+        self.own_uploads = ReplicaUploads(uploads_root(config.state_dir), replica)  # opened with the service
         self.passed = time.monotonic()  # when the lease loop last finished a pass
 
     def open(self, config: ServeConfig) -> KeyRing:
         if config.state_dir is not None:
-            return super().open(config)
-        keys = store_keys(self.files.store, config.api_keys)
-        check_owners(config, keys, self.files)
+            keys = super().open(config)
+        else:
+            keys = store_keys(self.files.store, config.api_keys)
+            check_owners(config, keys, self.files)
+        self.own_uploads = ReplicaUploads(uploads_root(config.state_dir), self.replica).open()
         return keys
+
+    def uploads(self, config: ServeConfig) -> Path:
+        return self.own_uploads.folder
 
     def registry(self, config: ServeConfig, qa: Any, worker: Any) -> StreamRegistry:
         self.shared = StreamRegistry(config, qa, worker, files=self.files, placement=LeasedPlacement(self.files))
@@ -166,6 +173,7 @@ class ReplicaHosting(Hosting):
             self.shared.let_all_go()
             self.board.remove()
             self._remove_saved_tiers()
+            self.own_uploads.close()
         finally:
             if self.lock is not None:
                 self.lock.release()

@@ -1,0 +1,52 @@
+"""What a `statekv serve` replica leaves behind when it is killed: the videos its page was feeding, removed by the
+next replica to start unless their replica is alive."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve", reason="statekv[ray] is part of .[test]")
+
+import statekv  # noqa: E402
+from statekv.serve.config import ServeConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qa():
+    return statekv.VideoQA.from_pretrained("builtin", budget=64)
+
+
+def _replica(tmp_path, qa, name: str, folder: bool):
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    config = ServeConfig(options=qa.options, state_dir=tmp_path / "state" if folder else None, api_keys=("key",),
+                         page=False, save_every_seconds=600)
+    store = None if folder else (tmp_path / "bucket").as_uri()
+    return TestClient(create_app(config, qa=qa, hosting=ReplicaHosting(config, name, lease_seconds=60, store=store)))
+
+
+@pytest.mark.parametrize("folder", [True, False], ids=["shared-folder", "store-alone"])
+def test_a_replica_starting_removes_the_uploads_a_killed_replica_left_and_keeps_a_live_ones(tmp_path, qa, folder,
+                                                                                         monkeypatch):
+    """Before: a replica killed while its page fed a video left the file (``/tmp/statekv-uploads-<replica>/``, or
+    the shared state folder's ``uploads/``) for good: no replica is named again, and only a server alone swept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine"))
+    with _replica(tmp_path, qa, "first", folder) as first:
+        live = first.app.state.service.uploads
+        live.mkdir(parents=True, exist_ok=True)
+        (live / "fedcba9876543210.mp4").write_bytes(b"\0" * 1000)  # being fed
+        killed = live.parent / "killed"  # as a replica killed mid-upload left it
+        killed.mkdir()
+        (killed / "0123456789abcdef.mp4").write_bytes(b"\0" * 1000)
+        with _replica(tmp_path, qa, "second", folder) as second:
+            assert second.app.state.service.uploads.parent == live.parent
+            assert not killed.exists(), list(killed.iterdir())
+            assert (live / "fedcba9876543210.mp4").exists()  # its replica is alive: kept
+        assert (live / "fedcba9876543210.mp4").exists()
+    assert not live.exists()  # a clean stop takes its own
