@@ -218,6 +218,36 @@ def test_an_eviction_the_journal_refused_leaves_the_stream_as_it_was_and_says_so
         assert resumed.frames_lost == 0 and _same(_snapshot(resumed), _snapshot(reference))
 
 
+def test_a_push_interrupted_between_two_partial_writes_of_its_record_leaves_the_journal_whole(adapter, tmp_path,
+                                                                                           monkeypatch):
+    """Before: a KeyboardInterrupt (or any error but the disk's) raised after the push's journal record was half
+    written left the half line; the next record followed it on the same line, and the stream, closed, could not
+    be resumed at all ("the disk cache's journal is damaged at line 6"). Now the record goes whole or not at all."""
+    frames = noise_frames(4)
+    qa = small_qa(adapter, offload="disk", offload_dir=tmp_path)
+    stream = qa.stream(horizon_frames=4, max_fps=1)
+    stream.push(frames[0], 0.0)
+    real, torn = os.write, []
+
+    def write(fd, data):
+        if not torn and b'"push"' in bytes(data):
+            torn.append(fd)
+            return real(fd, bytes(data)[:len(data) // 2])  # the disk took half (a signal, a nearly full disk)
+        if torn and fd == torn[0]:
+            raise KeyboardInterrupt  # before the rest was written
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        stream.push(frames[1], 1.0)
+    monkeypatch.undo()
+    for t in (1, 2, 3):
+        stream.push(frames[t], float(t))
+    stream.close()
+    with Stream.load(stream.prefill.disk.folder, qa) as resumed:
+        assert (resumed.frames, resumed.frames_lost) == (4, 0)
+
+
 def test_a_step_refused_after_its_evictions_says_they_stay(adapter, tmp_path, monkeypatch):
     """A step evicts to make room (journaled first), then the disk refuses to grow its files: the step is not
     taken, the frames it evicted stay evicted, and the message says so (before: "as before it")."""

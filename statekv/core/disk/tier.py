@@ -226,19 +226,21 @@ class DiskTier:
 
     def append(self, *records: dict[str, Any]) -> None:
         """Append journal records (JSON objects), each after its CRC-32, in one write: whole, or (an `OutputError`,
-        e.g. a full disk) not at all."""
+        e.g. a full disk, or whatever else raised between two partial writes, a KeyboardInterrupt) not at all."""
         self.check_owner()
         data = memoryview(b"".join(journal_line(record) for record in records))
         end = os.fstat(self._journal).st_size
         try:
             while len(data):
                 data = data[os.write(self._journal, data):]
-        except OSError as error:
-            try:
-                os.ftruncate(self._journal, end)  # no torn line for the next record to follow
+        except BaseException as error:
+            try:  # no torn line for the next record to follow: read back, it would damage the whole journal
+                os.ftruncate(self._journal, end)
             except OSError:
                 pass
-            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+            if isinstance(error, OSError):
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+            raise
         self.appends += 1
         for record in records:
             if "evict" in record:
