@@ -118,3 +118,24 @@ def test_a_watch_that_would_not_fit_once_a_horizons_frames_are_in_is_refused_whe
     stream.flush()
     assert fitting.evaluations == 3 and fitting.error is None
     stream.close()
+
+
+def test_a_watch_retrieving_too_many_frames_is_refused_in_frames_with_a_hint_that_is_taken(qa, images):
+    """Before: a watch's refusal counted steps ("40 retrieved steps ... retrieve at most N steps") where its
+    ``retrieve``, and every other refusal, counts frames. Now it reads as a question's, and its hint is taken."""
+    import re
+
+    stream = qa.stream()
+    for image in images:
+        stream.push(image)
+    with pytest.raises(HorizonError) as refused:
+        stream.watch("Why?", retrieve=100, max_new_tokens=2, steer=False)
+    message = str(refused.value)
+    assert message.startswith(f"{stream.frames} retrieved frames ("), message
+    hint = re.fullmatch(r".*; retrieve at most (\d+) frames", message)
+    assert hint, message
+    with pytest.raises(HorizonError, match=f"^{int(hint[1]) + 1} retrieved frames .* at most {hint[1]} frames$"):
+        stream.watch("Why?", retrieve=int(hint[1]) + 1, max_new_tokens=2, steer=False)
+    watch = stream.watch("Why?", retrieve=int(hint[1]), max_new_tokens=2, steer=False)
+    assert watch.error is None and watch.evaluations == 1 and stream.watches == [watch]
+    stream.close()

@@ -20,8 +20,14 @@ def fit_in_frames(video: Any, prompt_tokens: int, answer_tokens: int, retrieval:
     try:
         return video.prefill.fit_question(prompt_tokens, answer_tokens, retrieval)
     except RetrievalTooWide as error:
-        read = min(frames, held_frames(video, retrieval.keep_tokens))  # every held step read: no more than held
-        raise error.counted_in("frames", video.adapter.frames_per_step, read) from None
+        raise in_frames(error, video, retrieval, frames) from None
+
+
+def in_frames(error: RetrievalTooWide, video: Any, retrieval: Retrieval, frames: int) -> RetrievalTooWide:
+    """The engine's refusal ``error`` (counted in steps) of ``video``'s question (or watch) retrieving ``frames``
+    frames by ``retrieval``, counted in frames: its hint a ``retrieve`` that fits."""
+    read = min(frames, held_frames(video, retrieval.keep_tokens))  # every held step read: no more than held
+    return error.counted_in("frames", video.adapter.frames_per_step, read)
 
 
 def held_frames(video: Any, keep_tokens: int) -> int:

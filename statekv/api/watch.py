@@ -40,10 +40,11 @@ from ..core.rules.steering import QuestionGuide
 from ..core.watching.fitting import check_question_fits, most_carried
 from ..core.watching.standing import Evaluation, evaluate, standing_question
 from ..settings.methods import retrieval_rule
-from ..errors import InputError, StateKVError
+from ..errors import InputError, RetrievalTooWide, StateKVError
 from ..stopping import whole
 from ..settings.values import check_bool, check_int, check_number, check_question
 from ..video.sampling import reaches
+from .retrieved import in_frames
 
 log = logging.getLogger("statekv")
 
@@ -409,6 +410,8 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False, notices: l
                 outcome = error
             results.append((watch, None, outcome))
     for watch, evaluation, outcome in results:
+        if isinstance(outcome, RetrievalTooWide) and evaluation is not None:  # the engine counts steps
+            outcome = in_frames(outcome, watch.stream, evaluation.retrieval, watch.retrieve)
         if isinstance(outcome, Exception):
             watch.error = (str(outcome).strip().splitlines() or [type(outcome).__name__])[0]
             if raise_errors:
