@@ -304,9 +304,9 @@ def test_weights_trained_here_load_from_their_folder_as_the_built_in_model_does(
 def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_existed(tmp_path):
     """A field added to the recipe since (its default keeping the recipe what it was) does not make a saved run
     "another recipe"."""
-    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), warmup_steps=1, log_every=1,
-                    checkpoint_every=1, long_range=LongRange(steps=0))
-    train(recipe, tmp_path, stop_after=2)
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (3, 1)), warmup_steps=1, log_every=1,
+                    checkpoint_every=1, long_range=LongRange(steps=0))  # the smallest run with a step to resume
+    train(recipe, tmp_path, stop_after=1)
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole"):
         del state["recipe"]["long_range"][name]
