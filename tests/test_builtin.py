@@ -105,7 +105,7 @@ def test_training_batches_equal_the_streamed_prompt(tmp_path):
 
 
 def test_training_runs_and_resumes(tmp_path):
-    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (16, 2)), warmup_steps=1, log_every=1,
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (3, 2)), warmup_steps=1, log_every=1,
                     checkpoint_every=1, long_range=LongRange(steps=2, frames=(6,), stream_frames=300, span=60))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -121,12 +121,12 @@ def test_training_runs_and_resumes(tmp_path):
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
     assert lines[0]["accuracy"] is None and lines[0]["family_accuracy"] == {}  # a vision step: stills only
     assert set(lines[2]["family_accuracy"]) == set(FAMILIES) and lines[2]["loss"] > 0
-    assert [line["frames"] for line in lines[1:]] == [16, 16, "long-range", "long-range"]
+    assert [line["frames"] for line in lines[1:]] == [3, 3, "long-range", "long-range"]
     moments = torch.load(tmp_path / STATE_FILE, weights_only=True)["optimizer"]["state"]
     assert {int(state["step"]) for state in moments.values()} == {2}  # the phase's optimiser started afresh
     assert AutoModelForImageTextToText.from_pretrained(model_dir).config.image_seq_length == 1
     saved = json.loads((model_dir / BUILTIN_RECIPE_FILE).read_text())
-    assert saved["curriculum"] == [[0, 1], [16, 2]] and Recipe.from_dict(saved) == recipe
+    assert saved["curriculum"] == [[0, 1], [3, 2]] and Recipe.from_dict(saved) == recipe
 
 
 def test_the_long_range_phase_starts_from_given_weights_at_its_own_learning_rate(tmp_path):
