@@ -104,15 +104,15 @@ def measure(model, name: str, settings: MethodSettings, *, frames: int, tokens: 
                retrieved, whole)
 
 
-def report(rows: list[Row], header: list[str]) -> str:
+def report(rows: list[Row], header: list[str], retrieve: int, budget: int) -> str:
     lines = [*header, "", "| method | ms / frame (median, 2nd half) | peak device memory GiB | detailed cache GiB | "
-             "answer, 64 frames retrieved (s) | answer, whole cache (s) |", "|---|---:|---:|---:|---:|---:|"]
+             f"answer, {retrieve} frames retrieved (s) | answer, whole cache (s) |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         whole = "n/a (offloaded)" if row.answer_whole_s is None else f"{row.answer_whole_s:.3f}"
         lines.append(f"| {row.label} | {row.ms_per_frame:.2f} | {row.peak_gib:.2f} | {row.cache_gib:.2f} | "
                      f"{row.answer_retrieved_s:.3f} | {whole} |")
     by_label = {row.label: row for row in rows}
-    resident, offloaded = by_label.get("StateKV B=4096"), by_label.get("StateKV B=4096 offloaded")
+    resident, offloaded = by_label.get(f"StateKV B={budget}"), by_label.get(f"StateKV B={budget} offloaded")
     if resident and offloaded:
         lines.append(f"\nStateKV with offload / without: {offloaded.ms_per_frame / resident.ms_per_frame:.3f}x per "
                      "frame.")
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> str:
               f"{QUESTION_TOKENS}-token question, 8 answer tokens; {args.retrieve} frames retrieved per layer.",
               f"Command: `python benchmarks/long_video.py {shlex.join(argv if argv is not None else sys.argv[1:])}`; "
               f"torch {torch.__version__}."]
-    text = report(rows, header)
+    text = report(rows, header, args.retrieve, args.budget)
     print(text)
     if args.out:
         from report import write_section

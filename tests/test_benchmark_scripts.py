@@ -1,0 +1,30 @@
+"""The benchmark scripts' reports say what was measured: their tables name the settings a run was given."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_long_video_table_names_the_frames_retrieved_and_the_budget_given():
+    long_video = benchmark("long_video")
+    rows = [long_video.Row("StateKV B=1024", False, 2.0, 1.0, 0.5, 0.1, 0.2),
+            long_video.Row("StateKV B=1024 offloaded", True, 3.0, 0.5, 0.5, 0.1, None)]
+    text = long_video.report(rows, ["header"], retrieve=16, budget=1024)
+    assert "answer, 16 frames retrieved (s)" in text and "64 frames" not in text
+    assert "StateKV with offload / without: 1.500x per frame." in text
