@@ -18,6 +18,7 @@ and writes accuracy with 95% Wilson intervals, overall and per family, to a ``##
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import shlex
@@ -100,13 +101,15 @@ def cell(correct: int, total: int) -> str:
 
 
 def markdown(results: dict[Setting, dict[str, tuple[int, int]]], families: list[str], command: str,
-             tokens_per_frame: int) -> str:
+             tokens_per_frame: int, made: dict) -> str:
+    """The section's text; ``made`` is the set's manifest (`statekv.synthetic.benchmark.MANIFEST_FILE`)."""
     total = next(iter(results.values()))["overall"][1]
     lines = [
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__} (CPU).  ",
-        f"Held-out set: `statekv synthetic make --videos {HELD_OUT_VIDEOS} --seed {HELD_OUT_SEED}` "
-        f"({total} questions, 96 frames per video, {tokens_per_frame} tokens per frame).  ",
+        f"Held-out set: `statekv synthetic make --frames {made['num_frames']} --videos {made['videos']} --seed "
+        f"{made['seed']}` ({total} questions, {made['num_frames']} frames per video, {tokens_per_frame} tokens per "
+        "frame).  ",
         "Cells: accuracy in % [95% Wilson interval]; " + CHANCE + ". Budgets are carried tokens per layer and "
         f"KV head; recency R frames carry {tokens_per_frame} R tokens.",
         "",
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from statekv.api.videoqa import VideoQA
-    from statekv.synthetic.benchmark import QUESTIONS_FILE, make_benchmark
+    from statekv.synthetic.benchmark import MANIFEST_FILE, QUESTIONS_FILE, make_benchmark
     from statekv.synthetic.tasks import FAMILIES
 
     if not (args.data / QUESTIONS_FILE).is_file():
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                for setting in settings(tokens_per_frame)}
     families = [family for family in FAMILIES if family in results[Setting("full")]]
     command = "python benchmarks/accuracy.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    body = markdown(results, families, command.strip(), tokens_per_frame)
+    made = json.loads((args.data / MANIFEST_FILE).read_text(encoding="utf-8"))
+    body = markdown(results, families, command.strip(), tokens_per_frame, made)
     print(body)
     if args.out:
         write_section(args.out, "Measured", body)

@@ -28,3 +28,11 @@ def test_the_long_video_table_names_the_frames_retrieved_and_the_budget_given():
     text = long_video.report(rows, ["header"], retrieve=16, budget=1024)
     assert "answer, 16 frames retrieved (s)" in text and "64 frames" not in text
     assert "StateKV with offload / without: 1.500x per frame." in text
+
+
+def test_the_accuracy_section_describes_the_set_it_evaluated(tmp_path):
+    accuracy = benchmark("accuracy")
+    results = {accuracy.Setting("full"): {"overall": (3, 6), "needle": (1, 2)}}
+    made = {"num_frames": 40, "videos": 2, "seed": 5}  # a set --data named, not the default one
+    text = accuracy.markdown(results, ["needle"], "python benchmarks/accuracy.py", 4, made)
+    assert "`statekv synthetic make --frames 40 --videos 2 --seed 5` (6 questions, 40 frames per video" in text
