@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before", type=Path, help="results of an earlier checkout (its --json) to set beside")
     parser.add_argument("--out", type=Path, help="markdown file whose section is replaced")
     args = parser.parse_args(argv)
+    if min(args.tokens, args.budget_frames) < 1 or args.steps < args.budget_frames + 5:
+        # steady from step B + 4 (`run`), and of two steady steps one completes no segment
+        parser.error(f"--tokens and --budget-frames must be at least 1 and --steps at least --budget-frames + 5 "
+                     f"({args.budget_frames + 5}): the steps measured begin once the streams are steady")
     results = run(args.tokens, args.budget_frames, args.steps)
     record = {"commit": commit(), "results": results}
     if args.json:

@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,3 +38,10 @@ def test_the_accuracy_section_describes_the_set_it_evaluated(tmp_path):
     made = {"num_frames": 40, "videos": 2, "seed": 5}  # a set --data named, not the default one
     text = accuracy.markdown(results, ["needle"], "python benchmarks/accuracy.py", 4, made)
     assert "`statekv synthetic make --frames 40 --videos 2 --seed 5` (6 questions, 40 frames per video" in text
+
+
+def test_batched_steps_refuses_too_few_steps_to_measure_before_running(capsys):
+    batched_steps = benchmark("batched_steps")
+    with pytest.raises(SystemExit):
+        batched_steps.main(["--steps", "4", "--budget-frames", "4"])  # steady only from step 8: nothing to measure
+    assert "--steps at least --budget-frames + 5 (9)" in capsys.readouterr().err
