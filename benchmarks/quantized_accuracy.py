@@ -15,6 +15,7 @@ with 95% Wilson intervals, the difference to the unquantized run and how many an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -82,21 +83,41 @@ def table(runs: Path) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def set_made(data: Path, seed: int) -> dict:
+    """The manifest of the set in ``data``, refused unless `statekv synthetic make` wrote it with ``seed``."""
+    from statekv.synthetic.benchmark import MANIFEST_FILE
+
+    try:
+        made = json.loads((data / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"benchmarks/quantized_accuracy.py: --data {data} holds no set `statekv synthetic make` "
+                         f"wrote ({error})") from None
+    if made.get("seed") != seed:
+        raise SystemExit(f"benchmarks/quantized_accuracy.py: --data {data} was made with seed {made.get('seed')}, "
+                         f"not --seed {seed}")
+    return made
+
+
+def held_out(made: dict, questions: int) -> str:
+    return (f"Held-out set: `statekv synthetic make --frames {made['num_frames']} --videos {made['videos']} --seed "
+            f"{made['seed']}` ({questions} questions).  \n")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="a held-out set (statekv synthetic make)")
     parser.add_argument("--seed", type=int, required=True, help="the seed the held-out set was made with")
     parser.add_argument("--runs", type=Path, required=True, help="where the eval runs go (they resume)")
     parser.add_argument("--out", type=Path, default=None, help="the markdown file to write the section to")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    made = set_made(args.data, args.seed)
     evaluate(args.data, args.runs)
     body = (f"Command: `python benchmarks/quantized_accuracy.py --data {args.data} --seed {args.seed} --runs "
             f"{args.runs} --out {args.out}` (runs `statekv eval synthetic --model builtin --method full|statekv "
             "--budget 64 [--retrieve 16] --kv-cache-dtype auto|int8|int4`)  \n"
             f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}.  \n"
-            f"Held-out set: `statekv synthetic make --videos 24 --seed {args.seed}` "
-            f"({len(answers(args.runs / run_name('full', 'whole', 'auto')))} questions).  \n"
-            "The built-in model runs in float32; int8/int4 store its detailed cache quantized (keys per channel "
+            + held_out(made, len(answers(args.runs / run_name('full', 'whole', 'auto'))))
+            + "The built-in model runs in float32; int8/int4 store its detailed cache quantized (keys per channel "
             "over each 4-token frame step, values per token; scales and zero points float32). Answers changed: "
             "questions whose parsed answer differs from the unquantized run's.\n\n" + table(args.runs))
     print(body)

@@ -45,3 +45,14 @@ def test_batched_steps_refuses_too_few_steps_to_measure_before_running(capsys):
     with pytest.raises(SystemExit):
         batched_steps.main(["--steps", "4", "--budget-frames", "4"])  # steady only from step 8: nothing to measure
     assert "--steps at least --budget-frames + 5 (9)" in capsys.readouterr().err
+
+
+def test_quantized_accuracy_describes_its_set_and_refuses_another_seed_before_running(tmp_path):
+    quantized = benchmark("quantized_accuracy")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "benchmark.json").write_text('{"seed": 5, "videos": 2, "num_frames": 40}')
+    with pytest.raises(SystemExit, match="was made with seed 5, not --seed 9091"):
+        quantized.main(["--data", str(tmp_path / "data"), "--seed", "9091", "--runs", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
+    made = quantized.set_made(tmp_path / "data", 5)
+    assert "`statekv synthetic make --frames 40 --videos 2 --seed 5` (12 questions)" in quantized.held_out(made, 12)
