@@ -48,9 +48,16 @@ RETRIEVE = 16
 
 
 def make_set(folder: Path, videos: int, seed: int, frames: int) -> None:
-    if (folder / "questions.jsonl").is_file():
-        return
+    """Make the set of these flags in ``folder``, or keep it there; another set there is refused (its numbers would
+    be reported under these flags)."""
     from statekv.cli import main as statekv_main
+    from statekv.synthetic.benchmark import holds_set
+
+    if (folder / "questions.jsonl").is_file():
+        if holds_set(folder, videos=videos, seed=seed, num_frames=frames):
+            return
+        raise SystemExit(f"{folder} holds another set than `statekv synthetic make --frames {frames} --videos "
+                         f"{videos} --seed {seed}`: give the flags it was made with, or another folder")
 
     if statekv_main(["synthetic", "make", "--out", str(folder), "--videos", str(videos), "--seed", str(seed),
                      "--frames", str(frames)]):

@@ -56,3 +56,13 @@ def test_quantized_accuracy_describes_its_set_and_refuses_another_seed_before_ru
     assert not (tmp_path / "runs").exists()
     made = quantized.set_made(tmp_path / "data", 5)
     assert "`statekv synthetic make --frames 40 --videos 2 --seed 5` (12 questions)" in quantized.held_out(made, 12)
+
+
+def test_the_held_out_sets_in_a_folder_must_be_the_ones_the_flags_name(tmp_path):
+    from statekv.synthetic.benchmark import make_benchmark
+
+    bounded = benchmark("bounded_positions")
+    make_benchmark(tmp_path, videos=1, seed=5, num_frames=12)
+    bounded.make_set(tmp_path, 1, 5, 12)  # the same set: kept
+    with pytest.raises(SystemExit, match="holds another set than `statekv synthetic make --frames 96 --videos 1 "):
+        bounded.make_set(tmp_path, 1, 5, 96)  # a table would call these 12-frame videos 96-frame ones
