@@ -13,7 +13,10 @@ Each question is then answered by the model's own forward over a context (transf
 * ``a+b.<kind>``: A's with B's keys and values at every layer for one kind of token of each frame: ``visual`` (the
   frame's visual token), ``img_end`` (its ``</img>``), ``anchor`` (its ``Frame{i}:`` text);
 * ``a+b.L<i>.visual``: at layer ``i`` alone, the visual tokens' keys and values (``.keys`` / ``.values``: either
-  alone).
+  alone);
+* ``a+b.visual.past`` / ``.inside``: B's visual tokens at every layer for the frames whose step ends past the
+  positions the model declares / inside them alone (``a+b.L<i>.visual.past`` / ``.inside``: at layer ``i``): does
+  a question need its frames repaired, or the frames it compares written alike?
 
 The built-in model's frames (one visual token each) only: a checkpoint with more visual tokens a frame is refused.
 
@@ -92,26 +95,33 @@ def answer(model, context: Context) -> int:
     return int(logits[0, -1].argmax())
 
 
-def token_kinds(tokens: torch.Tensor, starts: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_kinds(tokens: torch.Tensor, starts: torch.Tensor, limit: int | None = None) -> dict[str, torch.Tensor]:
     """``[C]`` masks of which context tokens are each frame's visual token, ``</img>`` and anchor text (a frame's
-    step ends ``... <img> <IMG_CONTEXT> </img>``); the prompt prefix is none of them."""
+    step ends ``... <img> <IMG_CONTEXT> </img>``; ``starts`` ``[S + 1]``: each step's first token, then the end);
+    the prompt prefix is none of them. With ``limit`` (the positions the model declares), ``visual.past`` and
+    ``visual.inside``: the visual tokens of the frames whose step ends past it, or inside it."""
     step = torch.searchsorted(starts, tokens, right=True) - 1
     from_end = starts[1:][step] - tokens
     frame = step > 0
-    return {"visual": frame & (from_end == 2), "img_end": frame & (from_end == 1), "anchor": frame & (from_end > 3)}
+    kinds = {"visual": frame & (from_end == 2), "img_end": frame & (from_end == 1), "anchor": frame & (from_end > 3)}
+    if limit is not None:
+        past = starts[1:][step] > limit
+        kinds.update({"visual.past": kinds["visual"] & past, "visual.inside": kinds["visual"] & ~past})
+    return kinds
 
 
 def mixed(a: Context, b: Context, layers: range | list[int], kind: str | None = None,
-          parts: tuple[str, ...] = ("keys", "values"), starts: torch.Tensor | None = None) -> Context:
+          parts: tuple[str, ...] = ("keys", "values"), starts: torch.Tensor | None = None,
+          limit: int | None = None) -> Context:
     """``a`` with ``b``'s keys and/or values at ``layers``, at the tokens of ``kind`` (`token_kinds`, with the
-    steps' first tokens ``starts``; None: every token)."""
+    steps' first tokens ``starts`` and the model's ``limit``; None: every token)."""
     if kind is not None and starts is None:
         raise ValueError("a swap of one kind of token needs the steps' first tokens (starts)")
     swapped = []
     for index, ((keys, values, tokens), (b_keys, b_values, _)) in enumerate(zip(a.layers, b.layers)):
         if index in layers:
             keys, values = keys.clone(), values.clone()
-            chosen = slice(None) if kind is None else token_kinds(tokens, starts)[kind]
+            chosen = slice(None) if kind is None else token_kinds(tokens, starts, limit)[kind]
             if "keys" in parts:
                 keys[:, :, chosen] = b_keys[:, :, chosen]
             if "values" in parts:
@@ -120,8 +130,8 @@ def mixed(a: Context, b: Context, layers: range | list[int], kind: str | None = 
     return Context(swapped, a.ids, a.start)
 
 
-def swaps(a: Context, b: Context, starts: torch.Tensor) -> dict[str, Context]:
-    """Every context the module docstring names, by name."""
+def swaps(a: Context, b: Context, starts: torch.Tensor, limit: int) -> dict[str, Context]:
+    """Every context the module docstring names, by name (``limit``: the positions the model declares)."""
     depth = len(a.layers)
     out = {"a": a, "b": b}
     for layer in range(depth):
@@ -133,6 +143,10 @@ def swaps(a: Context, b: Context, starts: torch.Tensor) -> dict[str, Context]:
         out[f"a+b.L{layer}.visual"] = mixed(a, b, [layer], "visual", starts=starts)
         for part in ("keys", "values"):
             out[f"a+b.L{layer}.visual.{part}"] = mixed(a, b, [layer], "visual", (part,), starts)
+    for place in ("past", "inside"):
+        out[f"a+b.visual.{place}"] = mixed(a, b, range(depth), f"visual.{place}", starts=starts, limit=limit)
+        for layer in range(depth):
+            out[f"a+b.L{layer}.visual.{place}"] = mixed(a, b, [layer], f"visual.{place}", starts=starts, limit=limit)
     return out
 
 
@@ -147,6 +161,7 @@ def run_video(streams: dict, model, questions, evidence_of: dict, letters: dict)
 
     (a_stream, stills), (b_stream, _) = streams.values()
     starts = a_stream.prefill.cache.step_starts()
+    limit = a_stream.qa.adapter.model.config.get_text_config().max_position_embeddings
     rows = []
     for question in questions:
         if question.task_type not in FAMILIES:
@@ -156,7 +171,7 @@ def run_video(streams: dict, model, questions, evidence_of: dict, letters: dict)
         if not same_reading(a, b):
             raise SystemExit(f"{question.qid}: the two methods' contexts hold different tokens; nothing to swap")
         right = letters[question.answer]
-        answers = {name: answer(model, context) for name, context in swaps(a, b, starts).items()}
+        answers = {name: answer(model, context) for name, context in swaps(a, b, starts, limit).items()}
         rows.append({"qid": question.qid, "family": question.task_type, "evidence": evidence,
                      "a_agrees": answers["a"] == a_engine, "b_agrees": answers["b"] == b_engine,
                      **{name: token == right for name, token in answers.items()}})

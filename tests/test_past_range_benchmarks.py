@@ -235,6 +235,10 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
     assert kinds["visual"].tolist() == [False] * 5 + [True, False, True, False]
     assert kinds["img_end"].tolist() == [False] * 6 + [True, False, True]
     assert kinds["anchor"].tolist() == [False, False, True, True] + [False] * 5  # tokens 5 and 8: frame 1's text
+    limit = 12  # frame 1's step ends at it, inside; frame 2's past it
+    kinds = swap.token_kinds(torch.tensor([0, 4, 5, 8, 9, 10, 11, 17, 18]), starts, limit)
+    assert kinds["visual.inside"].tolist() == [False] * 5 + [True, False, False, False]
+    assert kinds["visual.past"].tolist() == [False] * 7 + [True, False]
 
     # each layer reads other tokens; every key and value is its own number, so a swap's every entry is checked
     layer_tokens = [torch.tensor([0, 5, 6, 10, 11, 13, 17, 18]), torch.tensor([1, 9, 10, 11, 12, 16, 17, 18]),
@@ -255,22 +259,26 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
             return {(i, part): torch.full((len(t),), name == "b") for i, t in enumerate(layer_tokens)
                     for part in ("keys", "values")}
         fields = rest.split(".")
+        if fields[-1] in ("past", "inside"):  # one kind of token, named in two fields
+            fields[-2:] = [".".join(fields[-2:])]
         layers = [int(fields[0][1:])] if fields[0].startswith("L") else range(depth)
         kind = fields[1] if fields[0].startswith("L") and len(fields) > 1 else None if fields[0].startswith("L") \
             else fields[0]
+        assert kind is None or kind in swap.token_kinds(layer_tokens[0], starts, limit), name
         parts = (fields[2],) if len(fields) > 2 else ("keys", "values")
         out = {}
         for i, t in enumerate(layer_tokens):
             for part in ("keys", "values"):
-                chosen = torch.ones(len(t), dtype=torch.bool) if kind is None else swap.token_kinds(t, starts)[kind]
+                chosen = torch.ones(len(t), dtype=torch.bool) if kind is None else swap.token_kinds(t, starts, limit)[kind]
                 swapped = chosen if i in layers and part in parts else torch.zeros(len(t), dtype=torch.bool)
                 out[i, part] = ~swapped if base is b else swapped
         return out
 
-    contexts = swap.swaps(a, b, starts)
+    contexts = swap.swaps(a, b, starts, limit)
     names = {"a", "b", *(f"{d}.L{i}" for d in ("a+b", "b+a") for i in range(depth)),
              *(f"a+b.{kind}" for kind in swap.KINDS),
-             *(f"a+b.L{i}.visual{part}" for i in range(depth) for part in ("", ".keys", ".values"))}
+             *(f"a+b.L{i}.visual{part}" for i in range(depth) for part in ("", ".keys", ".values", ".past", ".inside")),
+             "a+b.visual.past", "a+b.visual.inside"}
     assert set(contexts) == names
     for name, context in contexts.items():
         for (i, part), from_b in expected(name).items():
