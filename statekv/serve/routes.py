@@ -11,14 +11,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from ..api.encoded import METHOD_DEFAULT
 from ..settings.values import LARGEST_INT
 from .errors import ServiceError, failure_body
 from .healing import check_can_ask
 from .limits import IMAGE_TYPES, decode_image, media_type, read_body, read_json
 from .media import resolve_source
 from .sse import EventStream, TokenStreamer, event
-from .stream_settings import shown
+from .stream_settings import checked_retrieve, shown
 
 DISCONNECT_CHECK_SECONDS = 0.5  # how often a reply waiting for its answer looks for its client
 
@@ -38,16 +37,6 @@ def question_settings(body: dict[str, Any]) -> tuple[str, int, Any]:
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= MAX_NEW_TOKENS:
         raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_NEW_TOKENS}, got {shown(max_new)}")
     return question.strip(), max_new, checked_retrieve(body)
-
-
-def checked_retrieve(body: dict[str, Any], name: str = "retrieve") -> Any:
-    """A question's ``retrieve`` (frames per layer, null: every frame; absent: the stream's), checked."""
-    retrieve = body.get("retrieve", METHOD_DEFAULT)
-    if retrieve is not METHOD_DEFAULT and retrieve is not None and (
-            isinstance(retrieve, bool) or not isinstance(retrieve, int) or not 1 <= retrieve <= LARGEST_INT):
-        raise ServiceError(400, f"{name} must be a positive integer (frames per layer, at most {LARGEST_INT:,}) "
-                           f"or null, got {shown(retrieve)}")
-    return retrieve
 
 
 router = APIRouter()

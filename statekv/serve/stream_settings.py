@@ -9,9 +9,10 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from ..api.encoded import METHOD_DEFAULT
 from ..errors import ConfigurationError
 from ..settings.methods import METHODS, SIZES, refuse_unread
-from ..settings.values import HIGHEST_FPS, is_stream_rate
+from ..settings.values import HIGHEST_FPS, LARGEST_INT, is_stream_rate
 from .config import ServeConfig
 from .errors import ServiceError
 
@@ -206,3 +207,14 @@ def shown(value: Any) -> str:
     except (TypeError, ValueError):
         text = type(value).__name__
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def checked_retrieve(body: dict[str, Any], name: str = "retrieve") -> Any:
+    """A question's or a watch's ``retrieve`` (frames per layer, null: every frame for a question, none for a watch;
+    absent: the stream's, `METHOD_DEFAULT`), checked."""
+    retrieve = body.get("retrieve", METHOD_DEFAULT)
+    if retrieve is not METHOD_DEFAULT and retrieve is not None and (
+            isinstance(retrieve, bool) or not isinstance(retrieve, int) or not 1 <= retrieve <= LARGEST_INT):
+        raise ServiceError(400, f"{name} must be a positive integer (frames per layer, at most {LARGEST_INT:,}) "
+                           f"or null, got {shown(retrieve)}")
+    return retrieve

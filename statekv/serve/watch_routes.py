@@ -1,8 +1,9 @@
 """The watch API: standing questions about a stream (`statekv.serve.watches`), thin routes over the app's `Service`.
 
-``POST /v1/streams/{id}/watches`` ``{"question", "every", "max_new_tokens"}`` (or ``"every_seconds"``) -> 201
-``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them; ``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question",
-"every", "events": [{"frame", "seconds", "answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
+``POST /v1/streams/{id}/watches`` ``{"question", "every", "max_new_tokens", "retrieve"}`` (or
+``"every_seconds"``) -> 201 ``{"id"}``; ``GET /v1/streams/{id}/watches`` lists them;
+``GET /v1/streams/{id}/watches/{wid}`` -> ``{"question", "every", "retrieve", "events": [{"frame", "seconds",
+"answer"}], ...}``; ``DELETE`` it; ``GET /v1/streams/{id}/events``: every
 watch event of the stream as server-sent events (``event: watch``, ``data: {"watch", "question", "frame",
 "seconds", "answer"}``, ``id: {frame}.{watch}``, or ``{run}:{frame}.{watch}`` once a restart brought it back:
 `event_id`), a comment every `KEEPALIVE_SECONDS` in between, until the client leaves, the stream is deleted or the

@@ -22,18 +22,20 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ..api.encoded import METHOD_DEFAULT
 from ..api.stream_file import read_metadata
 from ..api.watch import DEFAULT_NEW_TOKENS as DEFAULT_WATCH_TOKENS
 from ..api.watch import Watch, default_retrieve, holds_frames, open_watch, run_evaluations
 from ..api.watch_saving import check_record, restore
 from ..errors import InputError, StateKVError
+from ..settings.methods import refuse_unread
 from ..settings.values import is_finite_number
 from .errors import ServiceError, StorageError
-from .stream_settings import shown
+from .stream_settings import checked_retrieve, shown
 
 log = logging.getLogger("statekv.serve")
 
-WATCH_FIELDS = ("question", "every", "every_seconds", "max_new_tokens")
+WATCH_FIELDS = ("question", "every", "every_seconds", "max_new_tokens", "retrieve")
 MAX_WATCH_TOKENS = 256
 MAX_WATCHES = 16  # per stream
 MAX_EVERY = 10**6
@@ -43,8 +45,9 @@ KEPT_RUNS = 64  # the latest runs of a stream's events its record keeps (`new_ru
 
 
 def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
-    """``question``, ``every`` (frames) or ``every_seconds`` (stream seconds), ``max_new_tokens`` from a create body,
-    checked (a one-line 400 otherwise)."""
+    """``question``, ``every`` (frames) or ``every_seconds`` (stream seconds), ``max_new_tokens`` and ``retrieve``
+    (frames per layer each evaluation retrieves, null: none; absent, `METHOD_DEFAULT`: the stream's) from a create
+    body, checked (a one-line 400 otherwise)."""
     unknown = sorted(set(body) - set(WATCH_FIELDS))
     if unknown:
         raise ServiceError(400, f"unknown watch field {shown(unknown[0])}; known: {', '.join(WATCH_FIELDS)}")
@@ -66,15 +69,17 @@ def watch_settings(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_WATCH_TOKENS:
         raise ServiceError(400, f"max_new_tokens must be an integer from 1 to {MAX_WATCH_TOKENS}, got {shown(tokens)}")
     return {"question": question.strip(), "every": every,
-            "every_seconds": None if seconds is None else float(seconds), "max_new_tokens": tokens}
+            "every_seconds": None if seconds is None else float(seconds), "max_new_tokens": tokens,
+            "retrieve": checked_retrieve(body)}
 
 
 def described(watch: Watch) -> dict[str, Any]:
     """What ``GET /v1/streams/{id}/watches/{wid}`` answers: its ``id``, ``question``, ``every`` (and
-    ``every_seconds``), ``max_new_tokens``, the latest ``answer``, ``evaluations`` and its ``events`` (each
-    ``frame``, ``seconds``, ``answer``)."""
+    ``every_seconds``), ``max_new_tokens``, ``retrieve``, the latest ``answer``, ``evaluations``, ``error`` and its
+    ``events`` (each ``frame``, ``seconds``, ``answer``)."""
     return {"id": watch.id, "object": "watch", "question": watch.question, "every": watch.every,
-            "every_seconds": watch.every_seconds, "max_new_tokens": watch.max_new_tokens, "answer": watch.answer,
+            "every_seconds": watch.every_seconds, "max_new_tokens": watch.max_new_tokens, "retrieve": watch.retrieve,
+            "answer": watch.answer,
             "evaluations": watch.evaluations, "error": watch.error,
             "events": [event.to_dict() for event in watch.events]}
 
@@ -97,17 +102,24 @@ def changing_watches(entry: Any) -> Any:
 
 def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
     """Open a watch on ``entry``'s stream (on the model's thread), ``listener`` told of every evaluation from the
-    first one, which answers at once from what the stream holds."""
+    first one, which answers at once from what the stream holds. A ``retrieve`` given is refused as a question's
+    is under a method that retrieves nothing (400), and one too wide for the stream past its range as a question's
+    (409), when the stream holds frames."""
     stream = entry.stream
     if len(stream.watches) >= MAX_WATCHES:
         raise ServiceError(409, f"stream {entry.id} has its limit of {MAX_WATCHES} watches; delete one first")
+    retrieve = settings["retrieve"]
+    if retrieve is METHOD_DEFAULT:
+        retrieve = default_retrieve(stream)
+    else:  # before the stream has frames too: an evaluation would only fail
+        refuse_unread(stream.qa.method, {"retrieve": retrieve})
     with stream.lock:
         if hasattr(stream, "start"):
             stream.start()
         stream.flush_complete_steps()  # as a question does: its first answer reads every complete step taken
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
-                           steer=stream.qa.steer, retrieve=default_retrieve(stream))
+                           steer=stream.qa.steer, retrieve=retrieve)
         watch.subscribe(listener)
         if holds_frames(stream):
             try:
