@@ -139,3 +139,36 @@ def test_a_watch_retrieving_too_many_frames_is_refused_in_frames_with_a_hint_tha
     watch = stream.watch("Why?", retrieve=int(hint[1]), max_new_tokens=2, steer=False)
     assert watch.error is None and watch.evaluations == 1 and stream.watches == [watch]
     stream.close()
+
+
+def test_a_failing_watch_is_logged_as_its_error_starts_changes_and_ends_not_at_each_evaluation(qa, images, caplog):
+    """Before: a warning at every failed evaluation, for as long as the stream ran (every 2 frames here, for
+    weeks); its growing frame count did not make the error another one. Its ``error`` still says each failure."""
+    import logging
+    import re
+
+    stream = qa.stream()
+    watch = stream.watch("Why?", every=2, retrieve=100, max_new_tokens=2, steer=False)
+    caplog.set_level(logging.WARNING, logger="statekv")
+    errors = set()
+    for image in images:
+        stream.push(image)
+        errors.add(watch.error)
+    logged = [record.getMessage() for record in caplog.records if watch.id in record.getMessage()]
+    failed = [message for message in errors if message is not None]
+    assert len(failed) > 3 and len(logged) == 1 and "could not be evaluated" in logged[0], logged
+    assert re.sub(r"\d+", "N", watch.error) in re.sub(r"\d+", "N", logged[0]), logged  # its numbers aside
+    hint = re.fullmatch(r".*; retrieve at most (\d+) frames", watch.error)
+    watch.retrieve = int(hint[1])
+    for image in images[:4]:
+        stream.push(image)
+    assert watch.error is None
+    logged = [record.getMessage() for record in caplog.records if watch.id in record.getMessage()]
+    assert len(logged) == 2 and "evaluated again" in logged[1], logged
+    watch.retrieve = 100
+    stream.push(images[0])
+    stream.push(images[1])
+    assert watch.error is not None
+    logged = [record.getMessage() for record in caplog.records if watch.id in record.getMessage()]
+    assert len(logged) == 3 and watch.error in logged[2], logged
+    stream.close()

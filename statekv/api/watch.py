@@ -28,6 +28,7 @@ import bisect
 import functools
 import json
 import logging
+import re
 import secrets
 import weakref
 from collections.abc import Callable, Iterable
@@ -79,10 +80,11 @@ class Watch:
     Attributes: ``id``, ``question``, ``every`` (frames between evaluations) or ``every_seconds`` (stream seconds),
     ``max_new_tokens``, ``retrieve`` (frames per layer retrieved at each evaluation, None: none), ``retrieval`` (the
     rule's name), ``steer``, ``events`` (`WatchEvent` list, oldest first), ``answer`` (the latest, None before the
-    first evaluation), ``evaluations``, ``closed``, ``error`` (why the last evaluation failed, None when it did not),
-    ``stream``. A watch does not keep its stream alive: a stream dropped without `Stream.close` is freed at once
-    (its watches would otherwise hold it in a cycle until a full collection); its watches then keep their events,
-    and only evaluating one says the stream is gone.
+    first evaluation), ``evaluations``, ``closed``, ``error`` (why the last evaluation failed, None when it did not;
+    logged when it starts or changes and once it ends, not at each failure), ``stream``. A watch does not keep its
+    stream alive: a stream dropped without `Stream.close` is freed at once (its watches would otherwise hold it in a
+    cycle until a full collection); its watches then keep their events, and only evaluating one says the stream is
+    gone.
     """
 
     def __init__(self, stream: Any, question: str, *, every: int | None = None, every_seconds: float | None = None,
@@ -108,6 +110,7 @@ class Watch:
         self.evaluations = 0
         self.closed = False
         self.error: str | None = None
+        self.failing: tuple[str, int] | None = None  # the error last logged (digits aside), the failures in a row
         self.since = 0  # the first token its next evaluation reads as new
         self.last_frames = 0  # frames encoded at its last evaluation (or when it opened)
         self.last_seconds: float | None = None
@@ -417,14 +420,30 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False, notices: l
             if raise_errors:
                 raise outcome
             # after the pushes that made it due were taken: the watch's error, never theirs
-            log.warning("statekv: watch %s could not be evaluated: %s", watch.id, watch.error,
-                        exc_info=not isinstance(outcome, (StateKVError, RuntimeError, ValueError)))
+            _log_failure(watch, outcome)
             continue
+        if watch.failing is not None:
+            log.warning("statekv: watch %s is evaluated again, after %d failed evaluation(s)", watch.id,
+                        watch.failing[1])
+            watch.failing = None
         event = _record(watch, outcome, set() if evaluation is None else evaluation.retrieved)
         if notices is None:
             tell([(watch, event)])
         else:
             notices.append((watch, event))
+
+
+def _log_failure(watch: Watch, error: Exception) -> None:
+    """Log ``watch``'s failed evaluation when its error starts or changes, not at each evaluation (a watch on a
+    stream that runs for weeks would log every few frames): an error that differs only in its numbers (the frames
+    retrieved grow with the stream) is the same one."""
+    kind = re.sub(r"\d+", "N", f"{type(error).__name__}: {watch.error}")
+    before, failures = watch.failing or (None, 0)
+    watch.failing = (kind, failures + 1)
+    if kind == before:
+        return
+    log.warning("statekv: watch %s could not be evaluated: %s (logged again when its error changes or ends)",
+                watch.id, watch.error, exc_info=not isinstance(error, (StateKVError, RuntimeError, ValueError)))
 
 
 def _evaluate_alone(evaluation: Evaluation, head: Any) -> Any:
