@@ -118,11 +118,17 @@ def prepare_wheels(folder: Path) -> None:
 
 
 def cuda_tests(section: Section, deadline: float, smoke: bool) -> None:
-    """The tests marked ``cuda`` in a child pytest (on CPU, ``--smoke`` only collects them)."""
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfEs",
-               *CUDA_TEST_FILES]
+    """The tests marked ``cuda`` in a child pytest (on CPU, ``--smoke`` only collects them, in this process: a
+    child's start, torch and transformers imported again, would be nearly all of its time)."""
+    options = ["-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfEs", *CUDA_TEST_FILES]
     if smoke:
-        command.append("--collect-only")
+        summary, rows = collected_here(options)
+        section.figures.update(summary)
+        section.rows = rows
+        if summary.get("collected", 0) == 0:
+            section.status, section.reason = "failed", "no test is marked cuda"
+        return
+    command = [sys.executable, "-m", "pytest", *options]
     # one tile per kernel pass, in a tile cache of their own: checks need no tuning, and the measurements
     # below must not inherit untuned tiles
     with tempfile.TemporaryDirectory(prefix="statekv-cuda-tests-") as scratch:
@@ -133,14 +139,46 @@ def cuda_tests(section: Section, deadline: float, smoke: bool) -> None:
     section.figures.update(summary)
     section.rows = [{"test": line} for line in output.splitlines()
                     if line.startswith(("FAILED", "ERROR", "SKIPPED"))][:40]
-    if smoke:
-        if summary.get("collected", 0) == 0:
-            section.status, section.reason = "failed", "no test is marked cuda"
-    elif summary.get("failed", 0) or summary.get("errors", 0):
+    if summary.get("failed", 0) or summary.get("errors", 0):
         section.status = "failed"
         section.reason = f"{summary.get('failed', 0)} failed, {summary.get('errors', 0)} errors"
     elif summary.get("passed", 0) == 0 and section.status != "failed":
         section.status, section.reason = "failed", "no CUDA test ran"
+
+
+def collected_here(options: list[str]) -> tuple[dict[str, int], list[dict[str, str]]]:
+    """``pytest --collect-only`` with ``options`` in this process: the counts its summary line would give
+    (collected, deselected, errors) and a row per file that could not be collected. The environment, the import
+    path and the working folder are put back as they were."""
+    import pytest
+
+    class Counts:
+        def __init__(self):
+            self.counts = {"collected": 0, "deselected": 0}
+            self.rows: list[dict[str, str]] = []
+
+        def pytest_deselected(self, items):
+            self.counts["deselected"] += len(items)
+
+        def pytest_collectreport(self, report):
+            if report.failed:
+                self.counts["errors"] = self.counts.get("errors", 0) + 1
+                self.rows.append({"test": f"ERROR {report.nodeid}"})
+
+        def pytest_collection_finish(self, session):
+            self.counts["collected"] = len(session.items)
+
+    counts, environment, path, folder = Counts(), dict(os.environ), list(sys.path), os.getcwd()
+    try:
+        os.chdir(ROOT)
+        pytest.main([*options, "--collect-only"], plugins=[counts])
+    finally:
+        os.chdir(folder)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environment)
+    sys.stdout.flush()
+    return counts.counts, counts.rows[:40]
 
 
 def run_child(command: list[str], environment: dict[str, str], deadline: float, section: Section) -> str:
