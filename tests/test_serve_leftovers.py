@@ -50,3 +50,25 @@ def test_a_replica_starting_removes_the_uploads_a_killed_replica_left_and_keeps_
             assert (live / "fedcba9876543210.mp4").exists()  # its replica is alive: kept
         assert (live / "fedcba9876543210.mp4").exists()
     assert not live.exists()  # a clean stop takes its own
+
+
+def test_uploads_in_a_linked_folder_are_neither_swept_nor_kept_there(tmp_path, monkeypatch):
+    """Before: ``<temp>/statekv-uploads`` made a link (by another user of the machine) to some folder had every
+    folder in it removed by the first replica to start, as if a killed replica had left it."""
+    from statekv.serve.cluster.uploads import ReplicaUploads, uploads_root
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "work").mkdir(parents=True)
+    (elsewhere / "work" / "notes.txt").write_text("kept")
+    machine = tmp_path / "machine"
+    machine.mkdir()
+    (machine / "statekv-uploads").symlink_to(elsewhere)
+    monkeypatch.setattr(tempfile, "tempdir", str(machine))
+    uploads = ReplicaUploads(uploads_root(None), "replica1").open()
+    try:
+        assert (elsewhere / "work" / "notes.txt").read_text() == "kept"
+        assert sorted(path.name for path in elsewhere.iterdir()) == ["work"]
+        assert uploads.folder.is_dir() and elsewhere not in uploads.folder.resolve().parents
+    finally:
+        uploads.close()
+    assert not uploads.folder.exists()

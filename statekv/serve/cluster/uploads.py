@@ -2,12 +2,15 @@
 folder's ``uploads/replicas/`` or, with none (replicas over an object store), this machine's
 ``<temp>/statekv-uploads/``. The replica holds the lock of ``<replica>.lock`` beside its folder for its whole life;
 a replica starting removes every folder there whose lock nobody holds (its replica was killed mid-upload, and no
-replica is ever named again), never one a live replica holds."""
+replica is ever named again), never one a live replica holds. A folder of uploads that is a link, or in this
+machine's temp another user's, is neither used nor swept: whatever it leads to is not statekv's to remove."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -35,13 +38,23 @@ class ReplicaUploads:
         self.root, self.replica = Path(root), replica
         self.folder = self.root / replica
         self.lock: FileLock | None = None
+        self.private = False  # a folder of its own outside ``root`` (`open`), removed at `close`
 
     def open(self) -> "ReplicaUploads":
         """Remove what replicas no longer alive left, then lock this replica's folder (made when first fed)."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            found = os.lstat(self.root)
         except OSError as error:  # the page says so at an upload; serving goes on
             log.warning("cannot keep uploads in %s: %s", self.root, error.strerror or error)
+            return self
+        theirs = (self.root.parent == Path(tempfile.gettempdir()) and hasattr(os, "getuid")
+                  and found.st_uid != os.getuid())
+        if stat.S_ISLNK(found.st_mode) or theirs:  # never swept: the removals would follow it
+            self.folder = Path(tempfile.mkdtemp(prefix=f"statekv-uploads-{self.replica}-"))
+            self.private = True
+            log.warning("%s is %s: replica %s keeps its uploads in %s and removes no other replica's", self.root,
+                        "a link" if not theirs else "another user's", self.replica, self.folder)
             return self
         self.sweep()
         for _ in range(LOCK_TRIES):  # a replica sweeping as this one starts holds this lock for a moment
@@ -91,6 +104,8 @@ class ReplicaUploads:
 
     def close(self) -> None:
         """At a clean stop: this replica's folder removed, its lock let go."""
+        if self.private:
+            shutil.rmtree(self.folder, ignore_errors=True)
         if self.lock is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.lock.release()
