@@ -223,3 +223,32 @@ def test_a_segment_kept_but_for_its_last_steps_stands_for_those_steps_alone():
             torch.testing.assert_close(Seen().scores(LayerQuestion(**{**asked["seen"].__dict__, "memory": {}})),
                                        by_hand, rtol=1e-5, atol=1e-6)
             assert chosen == sorted(candidates[by_hand.topk(2).indices].tolist()), (steps[0], seed)
+
+
+def test_a_kept_segment_whose_other_steps_were_all_evicted_stands_for_nothing():
+    """The prompt prefix (step 0) is kept, the other steps of its segment evicted (an evicting cache gives up the
+    oldest first): their keys are gone, so the scores cannot depend on what the segment index's sum says of them.
+    Before, the segment stood in the softmax by the mean of the evicted keys, weighted by their count."""
+    evicted = set(range(1, PER_SEGMENT))
+    for seed in range(10):
+        scores = []
+        for shift in (0.0, 50.0):  # the sum of the segment's keys as streamed, or another
+            seen, _ = question(seed, steps=(2,) * 64)
+            segments = seen.segments.clone()
+            dim = segments.shape[-1] // 3
+            segments[:, :, 0, 2 * dim:] += shift
+            seen = LayerQuestion(**{**seen.__dict__, "evicted": evicted, "segments": segments})
+            asked = {}
+
+            class Seen(AttentionShare):
+                def scores(self, seen):
+                    asked["seen"] = seen
+                    return super().scores(seen)
+
+            chosen = Retrieval(2, keep_tokens=2, rule=Seen()).choose(seen)
+            assert not evicted & set(chosen)
+            scores.append((asked["seen"].candidates, Seen().scores(LayerQuestion(**{**asked["seen"].__dict__,
+                                                                                      "memory": {}}))))
+        (candidates, first), (same, second) = scores
+        assert torch.equal(candidates, same)
+        torch.testing.assert_close(first, second, rtol=1e-6, atol=1e-7)

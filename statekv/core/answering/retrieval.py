@@ -379,6 +379,11 @@ class Retrieval:
         gone = evicted_segments(seen, index.shape[1])
         if first and seen.samples is not None:  # the kept steps stand for themselves below
             expanded[:first // per_segment] = True
+            split, end = first // per_segment, (first // per_segment + 1) * per_segment
+            if gone is not None and first % per_segment and split < index.shape[1] and (
+                    seen.evicted.count_from(first) - seen.evicted.count_from(end) == end - first):
+                gone = gone.clone()  # its steps not kept were all evicted: nothing of it left to stand for
+                gone[split] = True
         rest = (~expanded if gone is None else ~expanded & ~gone).nonzero().squeeze(1)
         keys, weights = [], []
         if rest.numel():
