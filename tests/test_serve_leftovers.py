@@ -1,5 +1,5 @@
 """What a `statekv serve` replica leaves behind when it is killed: the videos its page was feeding, removed by the
-next replica to start unless their replica is alive."""
+next replica to start unless their replica is alive; and a server alone, which keeps them in its state folder."""
 
 from __future__ import annotations
 
@@ -72,3 +72,18 @@ def test_uploads_in_a_linked_folder_are_neither_swept_nor_kept_there(tmp_path, m
     finally:
         uploads.close()
     assert not uploads.folder.exists()
+
+
+def test_a_server_alone_without_a_state_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Before: ``statekv.serve.create_app`` given ``state_dir=None`` (meant only for replicas over an object store)
+    failed with a TypeError traceback; its page's uploads would have gone to a ``<temp>/statekv-uploads-<pid>``
+    that nothing ever swept."""
+    from statekv.serve import create_app
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "machine"))
+    config = ServeConfig(options=statekv.ModelOptions(model="builtin", budget=64), state_dir=None, api_keys=("key",),
+                         page=False)
+    with pytest.raises(statekv.ConfigurationError, match="needs a state folder") as refused:
+        create_app(config)  # refused before the model loads
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "machine").exists()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,9 @@ class Hosting:
     def open(self, config: ServeConfig) -> KeyRing:
         """Check where the streams are kept (one line if it cannot be used) and that an accepted key owns each
         of them (`check_owners`), before the model loads; returns the keys accepted."""
+        if config.state_dir is None:  # its streams, keys and the page's uploads are all kept there
+            raise ConfigurationError("a server alone needs a state folder (ServeConfig.state_dir); None is only for "
+                                     "replicas on Ray that keep everything in an object store (--ray with --store)")
         check_state_folder(config.state_dir)
         keys = KeyRing.for_folder(config.state_dir, config.api_keys)
         check_owners(config, keys)
@@ -55,10 +56,8 @@ class Hosting:
 
     def uploads(self, config: ServeConfig) -> Path:
         """Where the page keeps a file being uploaded until it is fed: the state folder's ``uploads/`` (swept as
-        the server starts, `StreamFiles.sweep_partials`), or, with none, a folder of this machine's."""
-        if config.state_dir is not None:
-            return Path(config.state_dir) / UPLOADS
-        return Path(tempfile.gettempdir()) / f"statekv-uploads-{os.getpid()}"
+        the server starts, `StreamFiles.sweep_partials`; a replica's: `statekv.serve.cluster.uploads`)."""
+        return Path(config.state_dir) / UPLOADS
 
     def exposition(self, service: "Service") -> bytes:
         """What ``GET /metrics`` answers."""
