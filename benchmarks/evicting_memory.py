@@ -21,10 +21,11 @@ not count): a question should cost what the stream holds, not its history.
 With ``--address``, each sample also records the process's address space (``VmSize``) and the memory its page
 tables take (``VmPTE``, not part of resident memory), from /proc/self/status: a buffer addressed by every token ever
 streamed keeps growing both after its evicted pages went back to the OS. An evicting stream keeps its rows per
-token in blocks (`statekv.core.storage.blocks`), which keeps their part flat; its buffers with a row per step (the
-step summaries, 17 keys a step, the segment index; the key scales are in blocks) are one allocation each and double as
-steps come. The built-in model's frames are 4 tokens, so these are two thirds of its growth here; at 256 tokens a
-frame they are about a thirtieth of what the rows per token would be.
+token in blocks (`statekv.core.storage.blocks`), which keeps their part flat, its keys' scales too; its step
+summaries (17 keys a step) and segment index are packed, the rows of the steps it keeps alone
+(`statekv.core.storage.compact`). The built-in model's frames are 4 tokens, so these were two thirds of its growth
+here while they were one allocation each; at 256 tokens a frame they are about a thirtieth of what the rows per token
+would be.
 """
 
 from __future__ import annotations

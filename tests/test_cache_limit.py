@@ -560,10 +560,12 @@ def test_an_evicting_stream_saved_loaded_and_saved_again_is_the_same(adapter, kv
 def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tokens_in_blocks(adapter):
     """Pinned host memory cannot give pages back (a model on a GPU, offloaded): an evicting stream's buffers are
     made unpinned, and those read row by row (a row per token, the keys' scales) are kept in blocks (`BlockBuffer`),
-    so what it evicts leaves its address space too; a stream that keeps everything keeps pinned buffers, one
+    so what it evicts leaves its address space too, and those read whole (the step summaries, the segment index)
+    hold the rows it keeps alone (`CompactBuffer`); a stream that keeps everything keeps pinned buffers, one
     allocation each. tests/test_cuda.py checks the memory itself on a GPU."""
     from statekv.core.storage.blocks import BlockBuffer
     from statekv.core.storage.buffers import TokenBuffer
+    from statekv.core.storage.compact import CompactBuffer
 
     for limit, evicts in ((dict(max_cache_bytes=60_000, cache_limit="evict-oldest"), True),
                           (dict(max_cache_bytes=60_000), False), ({}, False)):
@@ -575,8 +577,9 @@ def test_an_evicting_offloaded_stream_keeps_its_host_memory_unpinned_and_its_tok
                                                                    storage.value_scales, storage.key_scales]
             kind = BlockBuffer if evicts else TokenBuffer
             assert all(type(buffer) is kind for buffer in per_token), (limit, dtype)
-            per_step = [storage.block_keys, storage.step_samples]
-            assert all(type(buffer) is TokenBuffer and buffer.pin is not evicts for buffer in per_step), (limit, dtype)
+            per_step = [storage.block_keys, storage.step_samples, storage.segment_index]  # packed, the rows held
+            assert all(type(buffer) is CompactBuffer if evicts else type(buffer) is TokenBuffer and buffer.pin
+                       for buffer in per_step), (limit, dtype)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])

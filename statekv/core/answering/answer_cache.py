@@ -30,7 +30,8 @@ from ..cache.engine_layer import EngineLayer
 from ..cache.step_runs import StepRuns
 from ..positions.placing import QuestionPlan
 from ..positions.rotation import rotate
-from .retrieval import LayerQuestion, Retrieval
+from .held import held_question
+from .retrieval import Retrieval
 from ...errors import InputError
 
 if TYPE_CHECKING:
@@ -110,15 +111,10 @@ class AnswerLayer(EngineLayer):
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
             steps = self.steps
-            means, samples = storage.summaries
-            segments = storage.segments
             turns = (None, None, None) if self.placing is None else self.placing.scoring_turns(
-                len(steps), segments.steps, 0 if segments.index is None else segments.index.shape[2])
-            seen = LayerQuestion(layer, question, None, means[:, :, :len(steps)], steps, scale,
-                                 {} if memory is None else memory, samples=samples[:, :, :len(steps)],
-                                 read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
-                                 evicted=self.evicted, segments=segments.index, segment_steps=segments.steps,
-                                 starts=self.starts, turns=turns[0], segment_turns=turns[1], frequencies=turns[2])
+                len(steps), storage.segment_steps, storage.segment_index.length)
+            seen = held_question(layer, question, storage, steps, self.starts, self.evicted, retrieval.keep_tokens,
+                                 scale, {} if memory is None else memory, dtype, turns=turns)
             index = self.retrieved = retrieval.tokens(seen)
             keys, values = storage.read_tokens(index, self.model_device, dtype)
         if self.placing is not None:

@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -50,6 +50,17 @@ from ..positions.rotation import rotate
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22
 SEGMENTS_PER_STEP = 2  # segments a hierarchical question scores the steps of, per step it retrieves
+
+
+class Held(NamedTuple):
+    """Which of a stream's steps a `LayerQuestion` holds, when not every step it streamed: ``steps`` LongTensor
+    ``[S]`` (host, ascending), the stream's step each of its steps is; ``firsts`` ``[S]`` the stream's token each
+    begins at; ``complete``: the complete segments of the stream the question covers (its own ``segments`` are
+    those of them it holds)."""
+
+    steps: torch.Tensor
+    firsts: torch.Tensor
+    complete: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,14 @@ class LayerQuestion:
     are compared with the question where it reads them rather than where they were encoded (bounded positions
     past the range, `statekv.core.positions.placing.StreamPositions.scoring_turns`), or None: as stored;
     segment_turns: ``[G]`` the same for each complete segment (its queries turned the other way); frequencies: the
-    rotary frequencies ``[R / 2]`` the turns rotate with.
+    rotary frequencies ``[R / 2]`` the turns rotate with. held: None, or which of the stream's steps these are.
+
+    A stream that evicts (a cache limit) gives its wholly evicted segments back, and a question over it sees only
+    the steps it holds (the kvpress way: a rule scores what it is given): ``steps``, ``starts``, ``step_means``,
+    ``samples``, ``segments``, ``turns`` and ``segment_turns`` are those of the held steps and segments, numbered
+    from 0 as if nothing else had been streamed (a segment evicted in part is held whole, its evicted steps in
+    ``evicted``, their summaries zeros), token indices (``read_keys``, ``keys``) counted over them alone, and
+    ``held`` says which steps of the stream they are (`Retrieval` maps its choice back). A rule never needs it.
     """
 
     layer: int
@@ -106,6 +124,7 @@ class LayerQuestion:
     turns: torch.Tensor | None = field(default=None, compare=False)
     segment_turns: torch.Tensor | None = field(default=None, compare=False)
     frequencies: torch.Tensor | None = field(default=None, compare=False)
+    held: Held | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.evicted, StepRuns):  # any set of steps
@@ -309,7 +328,13 @@ class Retrieval:
             raise ConfigurationError(f"Retrieval: rule must be a RetrievalRule, got {type(self.rule).__name__}")
 
     def choose(self, seen: LayerQuestion) -> list[int]:
-        """The steps (ascending) answered from at ``seen``'s layer, besides the kept tokens."""
+        """The steps (ascending, the stream's) answered from at ``seen``'s layer, besides the kept tokens."""
+        chosen = self.chosen(seen)
+        return chosen if seen.held is None else seen.held.steps[chosen].tolist()
+
+    def chosen(self, seen: LayerQuestion) -> list[int]:
+        """The steps (ascending) of ``seen`` answered from at its layer (`choose`, numbered as ``seen`` numbers
+        them)."""
         count = len(seen.steps)
         first = int(torch.searchsorted(seen.step_starts[1:], self.keep_tokens, right=True))  # before: wholly kept
         held = count - first - seen.evicted.count_from(first)
@@ -343,7 +368,9 @@ class Retrieval:
         lie in, and of the open segment, from step ``first`` on (LongTensor ``[C]``, ascending, on the host)."""
         index, per_segment = seen.segments, seen.segment_steps
         expanded = SEGMENTS_PER_STEP * self.steps
-        if not self.rule.hierarchical or index is None or per_segment < 1 or index.shape[2] <= expanded:
+        if not self.rule.hierarchical or index is None or per_segment < 1:
+            return None
+        if (index.shape[2] if seen.held is None else seen.held.complete) <= expanded:  # the stream's, held or not
             return None
         complete = index.shape[2]
         empty = segments_without_choices(seen, complete, first)
@@ -420,8 +447,11 @@ class Retrieval:
         starts = seen.step_starts
         keep = min(self.keep_tokens, int(starts[-1]))
         parts = [torch.arange(keep)]
-        for s in self.choose(seen):
-            parts.append(torch.arange(max(int(starts[s]), keep), int(starts[s + 1])))
+        chosen = torch.tensor(self.choose(seen), dtype=torch.long)  # the stream's steps
+        held = chosen if seen.held is None else torch.searchsorted(seen.held.steps, chosen)  # numbered as seen's
+        firsts = starts[held] if seen.held is None else seen.held.firsts[held]  # the stream's tokens
+        for first, length in zip(firsts.tolist(), (starts[held + 1] - starts[held]).tolist()):
+            parts.append(torch.arange(max(first, keep), first + length))
         return torch.cat(parts).to(seen.device)
 
 

@@ -139,7 +139,8 @@ def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], win
                                                        None if placements is None else placements.to(device)))
     layer.is_initialized = storage.length > 0
     if layer.is_initialized:
-        layer.dtype, layer.device = storage.summaries.means.dtype, device
+        like = storage.means_like  # the step summaries' dtype (reading them whole would copy them)
+        layer.dtype, layer.device = (storage.summaries.means if like is None else like).dtype, device
         storage.restored(layer.dtype, device)
 
 

@@ -27,6 +27,7 @@ import torch
 
 from .blocks import BlockBuffer
 from .buffers import CarriedSlots, TokenBuffer
+from .compact import CompactBuffer
 from .host_pages import saved
 from .limits import runs
 
@@ -37,26 +38,33 @@ Released = dict[str, Sequence[tuple[int, int]]] | None  # tensor name -> the run
 
 
 class BufferFactory(Protocol):
-    def __call__(self, name: str, parts: int, capacity_hint: int | None) -> TokenBuffer | BlockBuffer: ...
+    def __call__(self, name: str, parts: int, capacity_hint: int | None
+                 ) -> TokenBuffer | BlockBuffer | CompactBuffer: ...
 
 
 PER_TOKEN = ("detailed", "key_codes", "value_codes", "value_scales")  # the buffers with a row per token
 # read only row by row, never as one view of every row: kept in blocks by a stream that evicts (the keys' scales
 # have a row per step, read for the tokens read; the step summaries and segment index are read whole by retrieval)
 IN_BLOCKS = (*PER_TOKEN, "key_scales")
+# read whole by retrieval: kept packed by a stream that evicts, only the rows it holds (`CompactBuffer`)
+COMPACTED = ("step_means", "step_samples", "segment_index")
 
 
 def memory_buffers(device: torch.device | str | None, on_replace: Callable[[], None],
                    evicts: bool = False) -> BufferFactory:
     """The default ``make_buffer``: a :class:`TokenBuffer` in ``device`` memory (None: where the first write
     comes from) that tells ``on_replace`` when it moves. For a stream that ``evicts`` (in host memory): never
-    pinned, and its buffers read row by row (`IN_BLOCKS`: those with a row per token, the keys' scales) in blocks
-    (`statekv.core.storage.blocks`), so what it holds of them follows what it keeps, not what it streamed."""
+    pinned, its buffers read row by row (`IN_BLOCKS`: those with a row per token, the keys' scales) in blocks
+    (`statekv.core.storage.blocks`) and those read whole (`COMPACTED`: the step summaries, the segment index) packed
+    (`statekv.core.storage.compact`), so what it holds of them follows what it keeps, not what it streamed."""
     in_blocks = evicts and device is not None and torch.device(device).type == "cpu"
 
-    def make_buffer(name: str, parts: int, capacity_hint: int | None) -> TokenBuffer | BlockBuffer:
+    def make_buffer(name: str, parts: int, capacity_hint: int | None
+                    ) -> TokenBuffer | BlockBuffer | CompactBuffer:
         if in_blocks and name in IN_BLOCKS:
             return BlockBuffer(parts, capacity_hint, on_replace)
+        if in_blocks and name in COMPACTED:
+            return CompactBuffer(parts, on_replace)
         return TokenBuffer(parts, capacity_hint, device, on_replace=on_replace, pin=not evicts)
     return make_buffer
 
@@ -175,9 +183,20 @@ class LayerStorage:
         """Keys and values of the tokens ``index`` (LongTensor ``[N]``), ``[B, H_kv, N, D]`` each."""
         return tuple(_moved(part, device, dtype) for part in self.detailed.gather(index))
 
+    def step_rows(self, steps: torch.Tensor) -> StepSummaries:
+        """The summaries of the committed steps ``steps`` (LongTensor ``[S]``, ascending), copies (a step evicted
+        reads as zeros)."""
+        means, samples = self.block_keys.gather(steps)[0], self.step_samples.gather(steps)[0]
+        return StepSummaries(means, samples.unflatten(-1, (SAMPLES_PER_STEP, means.shape[-1])))
+
+    def segment_rows(self, segments: torch.Tensor) -> torch.Tensor:
+        """``[B, H_kv, G, 3 * D]`` the index rows of the complete segments ``segments`` (LongTensor ``[G]``,
+        ascending), copies."""
+        return self.segment_index.gather(segments)[0]
+
     @property
     def summaries(self) -> StepSummaries:
-        """The committed steps' summaries (views)."""
+        """The committed steps' summaries (views; copies for a stream that evicts, every step's)."""
         steps = self.block_keys.length
         means = self.block_keys.view(0, steps)[0]
         samples = self.step_samples.view(0, steps)[0]
@@ -253,7 +272,8 @@ class LayerStorage:
             return torch.cat(self.segment_open.unbind(0), -1)
         if not steps:
             return self.segment_open.new_zeros(*self.segment_like.shape[:2], 1, self.segment_like.shape[-1])
-        return self._index_view()[:, :, -1:].to(self.segment_open.device, copy=True)
+        rows = self.segment_index.length
+        return self.segment_index.view(rows - 1, rows)[0].to(self.segment_open.device, copy=True)
 
     def prepare(self, chunk_len: int) -> None:
         """Room for the next step's summaries (and every later one's until the horizon, if it is known)."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..answering.retrieval import LayerQuestion, Retrieval
+from ..answering.held import held_question
+from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext
 from ..cache.step_runs import StepRuns
 from ..positions.rotation import rotate
@@ -269,22 +270,16 @@ def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, re
     starts, before, steps = reads[key]
     if before == 0:
         return torch.empty(0, dtype=torch.long), ()
-    means, samples = storage.summaries
-    segments = storage.segments
     turns = segment_turns = frequencies = None
     if scoring is not None:
         if scoring.shift:  # the prompt's queries where `ask` would place them
             queries = rotate(queries, torch.full(queries.shape[:3], scoring.shift, device=queries.device),
                              scoring.frequencies)
         turns, segment_turns, frequencies = scoring.turns[:before], scoring.segment_turns, scoring.frequencies
-    whole = segments.index.shape[2] * segments.steps <= before  # every complete segment lies before since
-    seen = LayerQuestion(layer, queries, None, means[:, :, :before], steps, scale, {} if memory is None else memory,
-                         samples=samples[:, :, :before],
-                         read_keys=lambda index: storage.read_tokens(index, dtype=dtype)[0],
-                         evicted=cache.evicted_steps.below(before),
-                         segments=segments.index if whole else None,
-                         segment_steps=segments.steps, starts=starts[:before + 1], turns=turns,
-                         segment_turns=segment_turns if whole else None, frequencies=frequencies)
+    whole = storage.segment_index.length * storage.segment_steps <= before  # every complete segment before since
+    seen = held_question(layer, queries, storage, steps, starts[:before + 1], cache.evicted_steps.below(before),
+                         retrieval.keep_tokens, scale, {} if memory is None else memory, dtype, whole,
+                         (turns, segment_turns, frequencies))
     chosen = retrieval.choose(seen)
     parts = [torch.arange(int(starts[s]), int(starts[s + 1])) for s in chosen]
     index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)

@@ -110,7 +110,7 @@ def retrieval_scoring(prefill, retrieval: Retrieval, question_positions: int, pr
     if plan is None or not plan.packed:
         return None
     cache = prefill.cache
-    segments = cache.layers[0].storage.segments
-    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), segments.steps,
-                                                           segments.index.shape[2])
+    storage = cache.layers[0].storage
+    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), storage.segment_steps,
+                                                           storage.segment_index.length)
     return Scoring(plan.start - prompt_first, turns, segment_turns, prefill.positions.inv_freq)

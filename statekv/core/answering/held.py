@@ -1,0 +1,105 @@
+"""The steps a question over a stream that evicts sees: those it holds, numbered from 0 (`LayerQuestion.held`).
+
+A stream under an evicting cache limit (`statekv.core.storage.limits`) gives back the summaries of every step it
+evicts and the index rows of every segment it evicts whole, and keeps only the others
+(`statekv.core.storage.compact.CompactBuffer`). A question over it is built over the segments it still holds (a
+segment evicted in part held whole, its evicted steps marked so, their summaries zeros, as they read) and the open
+segment's steps: what a rule scores, and what a question costs, follow what the stream holds, not its age. The
+segments before the kept tokens (``keep_tokens``: the prompt prefix and sinks) are always seen, so the kept tokens
+are the stream's first tokens there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..cache.step_runs import StepRuns
+from .retrieval import Held, LayerQuestion
+
+COMPACT = True  # False: every question sees every step streamed (what a question did before), evicted or not
+
+
+def held_question(layer: int, queries: torch.Tensor, storage: Any, lengths: tuple[int, ...], starts: torch.Tensor,
+                  evicted: StepRuns, keep_tokens: int, scale: float, memory: dict, dtype: torch.dtype,
+                  with_segments: bool = True,
+                  turns: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
+                  ) -> LayerQuestion:
+    """The `LayerQuestion` at ``layer`` for ``queries`` ``[1, Hq, Q, D]`` over the steps of ``lengths`` (their
+    token counts; ``starts`` ``[S + 1]`` their first tokens, then the end; ``evicted``, those evicted) of
+    ``storage`` (a `LayerStorage`), the steps it holds alone (`held_steps`); ``with_segments``: with the segment
+    index (every complete segment lies among the steps); ``turns``: ``(turns [S], segment turns [G],
+    frequencies)`` for every step and complete segment (Nones: none). ``memory``: the question's scratch, shared
+    by its layers (the held steps are found once there)."""
+    per_segment = storage.segment_steps
+    complete = min(storage.segment_index.length, len(lengths) // per_segment) if per_segment > 0 else 0
+    key = ("held steps", len(lengths), keep_tokens, complete)
+    if key not in memory:
+        memory[key] = held_steps(starts, evicted, len(lengths), per_segment, complete, keep_tokens)
+    held = memory[key]
+    step_turns, segment_turns, frequencies = turns
+    read = lambda index: storage.read_tokens(index, dtype=dtype)[0]  # noqa: E731
+    if held is None:  # nothing given back that a question could skip: every step, as stored
+        means, samples = storage.summaries
+        index = storage.segments.index if with_segments else None
+        return LayerQuestion(layer, queries, None, means[:, :, :len(lengths)], lengths, scale, memory,
+                             samples=samples[:, :, :len(lengths)], read_keys=read, evicted=evicted,
+                             segments=index, segment_steps=per_segment, starts=starts[:len(lengths) + 1],
+                             turns=step_turns, segment_turns=segment_turns if with_segments else None,
+                             frequencies=frequencies)
+    plan, segments, held_starts, held_evicted = held
+    means, samples = storage.step_rows(plan.steps)
+    index = storage.segment_rows(segments) if with_segments else None
+    turned = None if segment_turns is None or not with_segments else segment_turns[segments]
+    return LayerQuestion(layer, queries, None, means, tuple(torch.diff(held_starts).tolist()), scale, memory,
+                         samples=samples, read_keys=_global_reads(read, held_starts, plan.firsts),
+                         evicted=held_evicted, segments=index, segment_steps=per_segment, starts=held_starts,
+                         turns=None if step_turns is None else step_turns[plan.steps], segment_turns=turned,
+                         frequencies=frequencies, held=plan)
+
+
+def held_steps(starts: torch.Tensor, evicted: StepRuns, count: int, per_segment: int, complete: int,
+               keep_tokens: int) -> tuple[Held, torch.Tensor, torch.Tensor, StepRuns] | None:
+    """What a question over the ``count`` steps (first tokens ``starts`` ``[S + 1]``; ``evicted``) of a stream
+    whose first ``complete`` segments of ``per_segment`` steps are complete sees: ``(Held, its complete segments
+    [G'], its steps' first tokens counted over them [S' + 1], its evicted steps)``; None when it would see every
+    step (no segment evicted whole after the kept tokens). O(runs of evicted steps + steps held)."""
+    if not COMPACT or per_segment < 1 or not complete or not evicted:
+        return None
+    after_kept = -(-int(torch.searchsorted(starts[:count + 1], keep_tokens)) // per_segment)  # first segment seen
+    dropped = []  # runs [first, end) of the segments evicted whole after the kept tokens
+    for start, end in evicted.runs():
+        first, last = max(-(-start // per_segment), after_kept), min(end // per_segment, complete)
+        if first < last:
+            dropped.append((first, last))
+    if not dropped:
+        return None
+    kept_segments, at = [], 0
+    for first, last in dropped:
+        kept_segments.append(torch.arange(at, first))
+        at = last
+    kept_segments.append(torch.arange(at, complete))
+    segments = torch.cat(kept_segments)
+    steps = torch.cat([(segments[:, None] * per_segment + torch.arange(per_segment)).flatten(),
+                       torch.arange(complete * per_segment, count)])
+    firsts = starts[steps]
+    held_starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(starts[steps + 1] - firsts, 0)])
+
+    def numbered(step: int) -> int:  # a step's number among the held ones (a run's bound: never inside a dropped run)
+        return step - per_segment * sum(max(min(last, step // per_segment) - first, 0) for first, last in dropped)
+
+    held_evicted = StepRuns.from_runs((numbered(start), numbered(end)) for start, end in evicted.runs())
+    return Held(steps, firsts, complete), segments, held_starts, held_evicted
+
+
+def _global_reads(read: Callable[[torch.Tensor], torch.Tensor], held_starts: torch.Tensor, firsts: torch.Tensor
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``read`` (of the stream's tokens) of tokens counted over the held steps (first tokens ``held_starts``
+    ``[S' + 1]``; the stream's first tokens of them ``firsts`` ``[S']``)."""
+    def read_held(index: torch.Tensor) -> torch.Tensor:
+        host = index.cpu()
+        step = torch.searchsorted(held_starts, host, right=True) - 1
+        return read((host - held_starts[step] + firsts[step]).to(index.device))
+    return read_held
