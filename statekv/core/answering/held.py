@@ -11,7 +11,9 @@ are the stream's first tokens there too.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -87,8 +89,14 @@ def held_steps(starts: torch.Tensor, evicted: StepRuns, count: int, per_segment:
     firsts = starts[steps]
     held_starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(starts[steps + 1] - firsts, 0)])
 
+    ends = [last for _, last in dropped]
+    before = list(accumulate((last - first for first, last in dropped), initial=0))  # segments dropped before each
+
     def numbered(step: int) -> int:  # a step's number among the held ones (a run's bound: never inside a dropped run)
-        return step - per_segment * sum(max(min(last, step // per_segment) - first, 0) for first, last in dropped)
+        segment = step // per_segment
+        at = bisect_right(ends, segment)  # the dropped runs wholly before its segment
+        inside = max(segment - dropped[at][0], 0) if at < len(dropped) else 0
+        return step - per_segment * (before[at] + inside)
 
     held_evicted = StepRuns.from_runs((numbered(start), numbered(end)) for start, end in evicted.runs())
     return Held(steps, firsts, complete), segments, held_starts, held_evicted
