@@ -269,7 +269,8 @@ def test_the_context_swap_answers_as_the_engine_does_and_swaps_what_it_names(tmp
         out = {}
         for i, t in enumerate(layer_tokens):
             for part in ("keys", "values"):
-                chosen = torch.ones(len(t), dtype=torch.bool) if kind is None else swap.token_kinds(t, starts, limit)[kind]
+                chosen = (torch.ones(len(t), dtype=torch.bool) if kind is None
+                          else swap.token_kinds(t, starts, limit)[kind])
                 swapped = chosen if i in layers and part in parts else torch.zeros(len(t), dtype=torch.bool)
                 out[i, part] = ~swapped if base is b else swapped
         return out
