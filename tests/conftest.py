@@ -5,9 +5,12 @@ it (`tiny_qa`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import signal
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +161,20 @@ def tiny_qa(adapter, policy: str | statekv.CarryPolicy = "statekv", **settings) 
 
 # A prefix chunk then eleven chunks of unequal lengths: 100 tokens in all.
 CHUNK_LENGTHS = (9, 7, 12, 5, 10, 6, 11, 8, 9, 4, 13, 6)
+
+
+def benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` imported as a module (its folder on the import path while it loads)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(folder) / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(folder)
 
 
 def split(tokens: torch.Tensor, lengths=CHUNK_LENGTHS) -> list[torch.Tensor]:

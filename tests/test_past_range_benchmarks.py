@@ -3,29 +3,14 @@ mapped to the frames actually streamed, and each question layout sets the span t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from statekv.synthetic.benchmark import make_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def benchmark(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+from conftest import benchmark
 
 
 def test_retrieval_maps_evidence_to_the_frames_streamed(tmp_path):
