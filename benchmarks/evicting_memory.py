@@ -179,8 +179,9 @@ def address_table(results: dict[str, list[dict]]) -> str:
     """The address space and page tables at each sample (runs with ``--address``), against the first sample's."""
     lines = sample_table(results, "VmSize", lambda s, first: (
         f"{(s['VmSize'] - first['VmSize']) / 2**20:+,.0f} MB / {(s['VmPTE'] - first['VmPTE']) / 2**10:+,.0f} kB"))
-    before = before_note(results, "an evicting stream kept its rows in blocks, one buffer a layer addressed by every "
-                                  "token streamed")
+    before = before_note(results, "an evicting stream kept its rows per step (step summaries, segment index, key "
+                                  "scales) for the steps it holds alone: one allocation each, addressed by every "
+                                  "step streamed (its rows per token were in blocks already)")
     return "\n".join(lines) + ("\n\nEach cell: the growth of the address space (VmSize) / of the page tables (VmPTE) "
                                f"since the row's first sample.{before}")
 
