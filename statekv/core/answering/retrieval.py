@@ -329,12 +329,12 @@ class Retrieval:
 
     def choose(self, seen: LayerQuestion) -> list[int]:
         """The steps (ascending, the stream's) answered from at ``seen``'s layer, besides the kept tokens."""
-        chosen = self.chosen(seen)
+        chosen = self._choose_among(seen)
         return chosen if seen.held is None else seen.held.steps[chosen].tolist()
 
-    def chosen(self, seen: LayerQuestion) -> list[int]:
+    def _choose_among(self, seen: LayerQuestion) -> list[int]:
         """The steps (ascending) of ``seen`` answered from at its layer (`choose`, numbered as ``seen`` numbers
-        them)."""
+        them; private, so a subclass's fields never shadow it)."""
         count = len(seen.steps)
         first = int(torch.searchsorted(seen.step_starts[1:], self.keep_tokens, right=True))  # before: wholly kept
         held = count - first - seen.evicted.count_from(first)
