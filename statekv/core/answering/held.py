@@ -92,11 +92,8 @@ def held_steps(starts: torch.Tensor, evicted: StepRuns, count: int, per_segment:
     ends = [last for _, last in dropped]
     before = list(accumulate((last - first for first, last in dropped), initial=0))  # segments dropped before each
 
-    def numbered(step: int) -> int:  # a step's number among the held ones (a run's bound: never inside a dropped run)
-        segment = step // per_segment
-        at = bisect_right(ends, segment)  # the dropped runs wholly before its segment
-        inside = max(segment - dropped[at][0], 0) if at < len(dropped) else 0
-        return step - per_segment * (before[at] + inside)
+    def numbered(step: int) -> int:  # a run's bound: never inside a segment dropped (runs are merged)
+        return step - per_segment * before[bisect_right(ends, step // per_segment)]
 
     held_evicted = StepRuns.from_runs((numbered(start), numbered(end)) for start, end in evicted.runs())
     return Held(steps, firsts, complete), segments, held_starts, held_evicted
