@@ -125,7 +125,9 @@ def cuda_tests(section: Section, deadline: float, smoke: bool) -> None:
         summary, rows = collected_here(options)
         section.figures.update(summary)
         section.rows = rows
-        if summary.get("collected", 0) == 0:
+        if summary.get("errors", 0):
+            section.status, section.reason = "failed", f"{summary['errors']} collection errors: {rows[0]['test']}"
+        elif summary.get("collected", 0) == 0:
             section.status, section.reason = "failed", "no test is marked cuda"
         return
     command = [sys.executable, "-m", "pytest", *options]
@@ -171,13 +173,16 @@ def collected_here(options: list[str]) -> tuple[dict[str, int], list[dict[str, s
     counts, environment, path, folder = Counts(), dict(os.environ), list(sys.path), os.getcwd()
     try:
         os.chdir(ROOT)
-        pytest.main([*options, "--collect-only"], plugins=[counts])
+        status = pytest.main([*options, "--collect-only"], plugins=[counts])
     finally:
         os.chdir(folder)
         sys.path[:] = path
         os.environ.clear()
         os.environ.update(environment)
     sys.stdout.flush()
+    if status in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR):  # not "no test is marked cuda"
+        counts.counts["errors"] = counts.counts.get("errors", 0) + 1
+        counts.rows.append({"test": f"ERROR pytest could not collect ({status.name.lower()})"})
     return counts.counts, counts.rows[:40]
 
 

@@ -127,3 +127,15 @@ def test_the_cuda_tests_tile_cache_is_removed_after_the_run(tmp_path, monkeypatc
     gpu_setup.cuda_tests(section, deadline=1e18, smoke=False)  # a child runs them on a GPU only
     assert caches and caches[0].parent == tmp_path and section.status != "failed", section
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_smoke_collection_pytest_cannot_run_fails_its_section_saying_so(monkeypatch):
+    """Before: the smoke run's in-process collection ignored pytest's exit status, so a file it could not read was
+    reported as "no test is marked cuda"."""
+    from conftest import benchmark
+
+    setup = benchmark("gpu_setup")
+    monkeypatch.setattr(setup, "CUDA_TEST_FILES", ["tests/no_such_file.py"])
+    section = setup.Section("cuda tests")
+    setup.cuda_tests(section, deadline=float("inf"), smoke=True)
+    assert section.status == "failed" and "usage_error" in section.reason, section.reason
