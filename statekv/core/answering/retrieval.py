@@ -404,29 +404,30 @@ class Retrieval:
         expanded = torch.zeros(index.shape[1], dtype=torch.bool)
         expanded[candidates[candidates < index.shape[1] * per_segment] // per_segment] = True
         gone = evicted_segments(seen, index.shape[1])
-        if first and seen.samples is not None:  # the kept steps stand for themselves below
-            expanded[:first // per_segment] = True
-            split, end = first // per_segment, (first // per_segment + 1) * per_segment
-            if gone is not None and first % per_segment and split < index.shape[1] and (
-                    seen.evicted.count_from(first) - seen.evicted.count_from(end) == end - first):
-                gone = gone.clone()  # its steps not kept were all evicted: nothing of it left to stand for
-                gone[split] = True
+        split, end = first // per_segment, (first // per_segment + 1) * per_segment
+        # a segment whose first steps are kept: they stand for themselves below, its mean key for the others
+        straddles = bool(first % per_segment) and seen.samples is not None and split < index.shape[1]
+        if first and seen.samples is not None:
+            expanded[:split] = True
+        if straddles and gone is not None and (
+                seen.evicted.count_from(first) - seen.evicted.count_from(end) == end - first):
+            gone = gone.clone()  # its steps not kept were all evicted: nothing of it left to stand for
+            gone[split] = True
         rest = (~expanded if gone is None else ~expanded & ~gone).nonzero().squeeze(1)
         keys, weights = [], []
         if rest.numel():
             starts = seen.step_starts
             tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
             means = segment_means(index[:, rest.to(index.device)].float(), tokens.to(index.device)[None, :, None])
-            split = first // per_segment  # a segment whose first steps are kept: its mean key stands for the others
-            if first % per_segment and seen.samples is not None and split < index.shape[1]:
+            if straddles:
                 means = _without_kept(seen, index, rest, means, first)
             if seen.segment_turns is not None:
                 means = rotate(means[None], seen.segment_turns[rest].to(means.device).expand(1, means.shape[0], -1),
                                seen.frequencies)[0]
             keys.append(means)
             counts = _sampled_per_segment(seen, index.shape[1], most)[rest]
-            if first % per_segment and seen.samples is not None and split < index.shape[1]:
-                held = torch.diff(starts[first:(split + 1) * per_segment + 1]).double().clamp(max=most).sum()
+            if straddles:
+                held = torch.diff(starts[first:end + 1]).double().clamp(max=most).sum()
                 counts = torch.where(rest == split, held, counts)
             weights.append(counts.log().float())
         kept = range(first)  # the prompt prefix and sinks: never candidates
