@@ -426,7 +426,7 @@ def run_rows(steps: Sequence[BegunStep], cache: Cache, graphs: StepGraphs, *, re
             step.prefill.finish_step(chunk_len, step.started, step.carried_before,
                                      durable_record=step.request.durable_record,
                                      ends_vision_call=step.request.ends_vision_call, evicted=step.evicted)
-        except Exception as error:  # its disk tier could not take the step: it alone is back as it was
+        except Exception as error:  # its disk tier refused the step, or failed midway: it alone is back as it was
             failed[row] = error
     if failed:
         raise RowsFailed(failed, hidden)
