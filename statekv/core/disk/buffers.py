@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import math
 import mmap
 import os
@@ -117,7 +118,7 @@ class MappedTokenBuffer:
             self.open(tuple(like.shape[:2]) + (like.shape[3],), like.dtype)
         if needed <= self._capacity:
             return False
-        self._grow(max(needed, expected, math.ceil(self._capacity * self.GROWTH), self.MIN_CAPACITY))
+        self._grow(max(needed, expected, math.ceil(self._capacity * self.GROWTH), self.MIN_CAPACITY), needed)
         if self.on_replace is not None:
             self.on_replace()
         return True
@@ -192,14 +193,32 @@ class MappedTokenBuffer:
             raise InputError(f"{short.parent}: the disk cache is damaged: {short.name} holds {self._capacity} rows, "
                              f"fewer than the {length} its journal lists")
 
-    def _grow(self, capacity: int) -> None:
-        try:
+    def _grow(self, capacity: int, needed: int) -> None:
+        """Extend the files to ``capacity`` rows; where the file system refuses a file that large (``EFBIG``: past
+        its largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least (found by bisection)."""
+        taken, refused, size = self._capacity, None, capacity
+        while True:
+            try:
+                for fd in self._fds:
+                    os.ftruncate(fd, size * self.row_bytes)
+                taken = size
+            except OSError as error:
+                if error.errno != errno.EFBIG:
+                    raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
+                                      f"{error.strerror or error}") from None
+                if size <= needed:
+                    raise OutputError(
+                        f"cannot grow the disk cache in {self.paths[0].parent}: {self.paths[0].name} would pass the "
+                        f"largest file its file system allows ({error.strerror}); a disk-tier file keeps a row for "
+                        "every token of the stream, evicted or not (ext4 allows 16 TiB, XFS far more)") from None
+                refused = size
+            if refused is None or (taken >= needed and refused - taken <= 1):
+                break
+            size = needed if taken < needed else (taken + refused) // 2
+        if refused is not None:  # a part extended before another refused the same size is cut back
             for fd in self._fds:
-                os.ftruncate(fd, capacity * self.row_bytes)
-        except OSError as error:
-            raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
-                              f"{error.strerror or error}") from None
-        self._capacity = capacity
+                os.ftruncate(fd, taken * self.row_bytes)
+        self._capacity = taken
 
     def read_rows(self, start: int, end: int) -> list[bytes]:
         """The raw bytes of rows ``[start, end)`` of each part (for verifying checksums)."""
