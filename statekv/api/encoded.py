@@ -29,8 +29,8 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover, over_cap, own_engine,
-                       successor_engine, why_alone)
+from .handover import (CATCH_UP_SHARE, PASSING_FAULTS, Backlog, cannot_place, handing_over, held_at_handover,
+                       over_cap, own_engine, successor_engine, why_alone)
 from .retrieved import fit_in_frames
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HandoverError, InputError, OutputError, StateKVError
@@ -271,9 +271,10 @@ class EncodedVideo:
         last replay, in order, or the first ``steps`` of them. The stream does it by itself at the step that
         passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
         and the steps pushed after it join the backlog again. A step the successor's disk tier refuses (a full
-        disk) stops the replay with an `OutputError` (`statekv.steps.jobs.ReplayPutOff`), the successor and its
-        backlog as they were, to go on later; any other failure, or a refusal of the successor's first step (which
-        closes it), drops the successor: the stream goes on as ``own-then-cache`` alone."""
+        disk), a backlog file unreadable now or memory short stops the replay with an `OutputError`
+        (`statekv.steps.jobs.ReplayPutOff`), the successor and its backlog as they were, to go on later; any other
+        failure, or a refusal of the successor's first step (which closes it), drops the successor: the stream
+        goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
         with self.lock:
@@ -293,12 +294,16 @@ class EncodedVideo:
         return self.successor is not None and self.prefill.positions.moved
 
     def replay_request(self) -> StepRequest | None:
-        """The successor's next step to replay (the backlog's first), or None when there is none."""
+        """The successor's next step to replay (the backlog's first), or None when there is none. An `OutputError`
+        when the disk tier's backlog file cannot be read now (the replay is put off, `replayed`); a file that does
+        not hold the step as journaled drops the successor."""
         if self.successor is None or not self.backlog.steps:
             return None
         try:
             inputs_embeds = self.backlog.first()
-        except StateKVError as error:  # read back from the disk tier's backlog file
+        except OutputError:
+            raise
+        except StateKVError as error:  # read back from the disk tier's backlog file: damaged
             self.drop_successor(f"its backlog cannot be replayed ({error})")
             return None
         return StepRequest(self.successor, inputs_embeds.to(self._device), None,
@@ -306,9 +311,10 @@ class EncodedVideo:
 
     def replayed(self, outcome: Any) -> bool:
         """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; refused by the successor's
-        disk tier (a full disk: the step not taken, the successor as it was), it stays there, for a later replay
-        (True: put off); any other error drops the successor."""
-        if isinstance(outcome, OutputError) and self.successor is not None and not self.successor.closed:
+        disk tier (a full disk) or out of memory (the step not taken, the successor as it was), it stays there, for
+        a later replay (True: put off); any other error, which the same step would meet again, drops the
+        successor."""
+        if isinstance(outcome, PASSING_FAULTS) and self.successor is not None and not self.successor.closed:
             return True
         if isinstance(outcome, Exception):
             self.drop_successor(f"the successor's step failed ({outcome})")
@@ -319,6 +325,7 @@ class EncodedVideo:
     def put_off(self, refusal: OutputError) -> str:
         """What a replay put off by ``refusal`` (`replayed`) leaves, in one line."""
         reason = str(refusal).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
+        reason = (reason.strip().splitlines() or [type(refusal).__name__])[0]
         return (f"{self.name}: its successor's replay stopped {len(self.backlog.steps)} steps short of the handover, "
                 f"the successor and the stream as they were, to go on at the next push or catch_up: {reason}")
 

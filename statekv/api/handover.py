@@ -30,7 +30,8 @@ first frame step for what the stream will hold at its handover, `held_at_handove
 the cap holds both engines whatever the successor replays meanwhile, and the successor, which at the handover
 holds what the first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
 ``own-then-cache`` alone; `EncodedVideo.handover` says which and why. A replayed step the successor's disk tier
-refused (a full disk) only puts the replay off to the stream's next step (`EncodedVideo.replayed`).
+refused (a full disk), or a backlog file unreadable for a moment, or memory short, only puts the replay off to the
+stream's next step (`EncodedVideo.replayed`); a damaged backlog drops the successor.
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ import torch
 from ..core.positions.layouts import CacheOrder, OwnThenCache
 from ..core.positions.rope import rope_parameters, trained_range
 from ..core.rules.base import CarryPolicy
-from ..errors import InputError
+from ..errors import InputError, OutputError
 from ..settings.engine import HANDOVER, CacheLimit, EngineSettings
 from ..settings.values import format_bytes, printable
 
 CATCH_UP_SHARE = 0.5  # of the model's range: past it, quiet moments replay a stream's backlog (`catch_up_due`)
 OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
 SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once past the range
+# what a replayed step may meet once and not the next time (the disk tier refusing it or its backlog file unreadable
+# for a moment, memory short): the replay is put off, the successor kept (`EncodedVideo.replayed`)
+PASSING_FAULTS = (OutputError, torch.OutOfMemoryError, MemoryError)
 
 
 def handing_over(engine: EngineSettings) -> bool:

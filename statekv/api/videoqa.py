@@ -335,7 +335,7 @@ class VideoQA:
         (all of each, or its first ``steps``) in waves of one step per stream, each wave batched as pushes are
         (`statekv.core.step.batching`). Each stream ends as if caught up alone (`statekv.api.handover`). Returns
         the steps replayed; a closed stream is refused in one line before any is. A step a successor's disk tier
-        refused puts that stream's replay off: the others' go on, then `statekv.steps.jobs.ReplayPutOff` (an
+        refused (or its backlog file unreadable now, or memory short) puts that stream's replay off: the others' go on, then `statekv.steps.jobs.ReplayPutOff` (an
         `OutputError`) names it, with the steps replayed."""
         if isinstance(streams, (str, bytes)) or not isinstance(streams, Iterable):
             raise InputError(f"catch_up_many takes a list of streams, got {type(streams).__name__}")

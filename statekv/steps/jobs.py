@@ -149,9 +149,10 @@ def handover_now(video: Any, step: LaidOutStep, later: int) -> bool:
 
 def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, HandoverError]:
     """The successors of ``videos`` (whose engines left the model's range, `statekv.api.handover`) replay their
-    backlogs, together, and take over; one whose replay its disk tier refused goes on at a later step, one whose
-    replay fails otherwise is dropped, its video going on alone. Returns, by ``id`` of the video, the handovers
-    that stopped once marked on the disk tier (those videos are closed)."""
+    backlogs, together, and take over; one whose replay met a passing fault (its disk tier refused a step, its backlog
+    file could not be read, memory was short) goes on at a later step, one whose replay fails otherwise is dropped,
+    its video going on alone. Returns, by ``id`` of the video, the handovers that stopped once marked on the disk
+    tier (those videos are closed)."""
     if not videos:
         return {}
     started = time.perf_counter()
@@ -222,17 +223,25 @@ class ReplayPutOff(OutputError):
 
 
 def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher,
-                    waves: int | None = None) -> tuple[int, dict[int, OutputError]]:
+                    waves: int | None = None) -> tuple[int, dict[int, Exception]]:
     """Every video's successor replays its backlog (`EncodedVideo.replay_request`), in waves of one step per video
     through ``batcher``, so the successors of several videos step together; at most ``waves`` waves (None: until
     every backlog is replayed). A stopping signal waits for the wave to end: a step replayed leaves its backlog
-    with it. A video whose step failed replays no more now (`EncodedVideo.replayed`). Returns the steps replayed and,
-    by ``id`` of the video, the refusals that put a replay off."""
+    with it. A video whose step failed, or whose backlog cannot be read now, replays no more now
+    (`EncodedVideo.replayed`). Returns the steps replayed and, by ``id`` of the video, the faults that put a replay
+    off."""
     replaying, replayed, refused = list(videos), 0, {}
     while waves is None or waves > 0:
         waves = None if waves is None else waves - 1
-        requests = [(video, video.replay_request()) for video in replaying]
-        requests = [(video, request) for video, request in requests if request is not None]
+        requests = []
+        for video in replaying:
+            try:
+                request = video.replay_request()
+            except OutputError as error:  # its backlog file unreadable now: put off, as a refused step is
+                refused[id(video)] = error
+                continue
+            if request is not None:
+                requests.append((video, request))
         if not requests:
             break
         with whole():

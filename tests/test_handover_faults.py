@@ -1,0 +1,107 @@
+"""A handover stream's successor across faults (`statekv.api.handover`, `statekv.core.disk.successor`): a fault that
+passes (the backlog file unreadable for a moment, the model out of memory) puts its replay off, the successor and
+its backlog as they were; a fault that stays (a damaged backlog) drops it in one line; what was durable is never
+lost."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+
+import pytest
+import torch
+
+import statekv
+from statekv import Stream
+from statekv.core import StreamingPrefill
+from statekv.testing import make_tiny_checkpoint
+
+from conftest import random_frames
+
+FRAMES = random_frames(40, seed=3, height=32, width=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    short = {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("faults") / "ckpt", text_config=short,
+                                vision_config={"image_size": 112})
+
+
+def loaded(checkpoint, layout: str | None = None, **settings) -> statekv.VideoQA:
+    return statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24,
+                                           bounded_layout=layout, attention="eager", **settings)
+
+
+def on_disk(checkpoint, tmp_path) -> statekv.VideoQA:
+    return loaded(checkpoint, offload="disk", offload_dir=str(tmp_path / "disk"))
+
+
+def pushed(qa: statekv.VideoQA, frames) -> Stream:
+    stream = qa.stream()
+    for frame in frames:
+        stream.push(frame)
+    return stream
+
+
+def fingerprint(prefill: StreamingPrefill) -> str:
+    tensors, metadata = prefill.state_dict()
+    digest = hashlib.sha256(repr(metadata.get("positions")).encode())
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cache_layout(checkpoint):
+    """The cache-layout stream of every frame: what a handover stream is once past the range."""
+    with pushed(loaded(checkpoint, "cache"), FRAMES) as stream:
+        yield fingerprint(stream.prefill)
+
+
+def test_a_backlog_unreadable_for_a_moment_puts_the_replay_off(checkpoint, tmp_path, cache_layout, monkeypatch,
+                                                               caplog):
+    """Before: an OSError reading ``backlog.bin`` dropped the successor for good (the stream own-then-cache past
+    the range, and its backlog gone at the next resume)."""
+    stream = pushed(on_disk(checkpoint, tmp_path), FRAMES[:3])
+    real, failed = os.pread, []
+
+    def flaky(fd, length, offset):
+        if not failed and os.readlink(f"/proc/self/fd/{fd}").endswith("backlog.bin"):
+            failed.append(offset)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, length, offset)
+    monkeypatch.setattr(os, "pread", flaky)
+    for frame in FRAMES[3:]:
+        stream.push(frame)
+    assert failed and stream.handover == "handed over"
+    assert "Input/output error" in caplog.text and "replay stopped" in caplog.text
+    assert fingerprint(stream.prefill) == cache_layout
+    stream.close()
+
+
+def test_a_replay_out_of_memory_is_put_off_and_the_handover_goes_on_later(checkpoint, cache_layout, monkeypatch,
+                                                                           caplog):
+    """Before: the model out of memory for one replayed step (rolled back, the successor as it was) dropped the
+    successor for good: past the range the stream was own-then-cache, not the cache-layout stream."""
+    stream = pushed(loaded(checkpoint), FRAMES[:3])
+    decoder, failed = stream.prefill.decoder, []
+    forward = decoder.forward
+
+    def short_once(*args, **kwargs):
+        if not failed and stream.successor is not None and kwargs.get("past_key_values") is stream.successor.cache:
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore advice")
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(decoder, "forward", short_once)
+    with caplog.at_level(logging.WARNING, logger="statekv"):
+        for frame in FRAMES[3:]:
+            stream.push(frame)
+    assert failed and stream.handover == "handed over"
+    assert "replay stopped" in caplog.text and "CUDA out of memory. Tried to allocate 2.00 GiB" in caplog.text
+    assert "more advice" not in caplog.text  # one line
+    assert fingerprint(stream.prefill) == cache_layout
+    stream.close()
