@@ -105,3 +105,41 @@ def test_a_replay_out_of_memory_is_put_off_and_the_handover_goes_on_later(checkp
     assert "more advice" not in caplog.text  # one line
     assert fingerprint(stream.prefill) == cache_layout
     stream.close()
+
+
+def test_a_handover_the_disk_refuses_before_it_is_marked_goes_on_later(checkpoint, tmp_path, cache_layout,
+                                                                      monkeypatch, caplog):
+    """Before: a full disk for a moment as the handover was being marked (its successor's every step replayed)
+    dropped the successor for good; now the stream and its successor stay as they were, a later push or catch_up
+    hands over, and the folder resumes as the cache-layout stream."""
+    from statekv.steps.jobs import ReplayPutOff
+
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, FRAMES[:3])
+    folder, real, refused = stream.durability.folder, os.replace, []
+
+    def full(source, target, *args, **kwargs):
+        if len(refused) < 2 and str(target).endswith("handover.json"):
+            refused.append(target)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(source, target, *args, **kwargs)
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="statekv"):
+        pushes = iter(FRAMES[3:])
+        while not refused:
+            stream.push(next(pushes))
+        assert stream.handover == "beside" and stream.handover_due and not stream.backlog.steps
+        assert not (folder / "handover.json").exists()
+        assert "its handover stopped before it was marked" in caplog.text and "No space left" in caplog.text
+        with pytest.raises(ReplayPutOff, match="No space left on device") as again:
+            stream.catch_up()
+        assert "\n" not in str(again.value) and stream.handover == "beside"
+        stream.catch_up()
+        assert stream.handover == "handed over" and "streams on without its successor" not in caplog.text
+    for frame in pushes:
+        stream.push(frame)
+    assert fingerprint(stream.prefill) == cache_layout
+    stream.close()
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.frames == 40 and resumed.frames_lost == 0 and resumed.handover == "handed over"
+        assert fingerprint(resumed.prefill) == cache_layout

@@ -292,8 +292,9 @@ class Durability:
         engine until now; the frames waiting for their steps journaled in the successor's file set, so that a crash
         still counts them lost), in the order `statekv.core.disk.successor` describes; returns the
         stream's engine from now on, ``engine_on`` the folder's file set, resumed from it. Before the handover is
-        marked, an error leaves the stream as it was (its successor dropped by the caller); after, both engines
-        are closed and a `HandoverError` says that resuming the folder finishes the handover."""
+        marked, an error leaves the stream as it was (an `OutputError`, a full disk: its successor too, the caller
+        putting the handover off; any other: its successor dropped by the caller); after, both engines are closed
+        and a `HandoverError` says that resuming the folder finishes the handover."""
         folder = self.tier.folder
         described = folder / f"{SETUP}.json"
         if described.is_file():  # a stream's own description, naming the successor's file set from now on

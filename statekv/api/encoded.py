@@ -270,11 +270,10 @@ class EncodedVideo:
         """The successor replays its backlog now (`statekv.api.handover`): every step the stream took since its
         last replay, in order, or the first ``steps`` of them. The stream does it by itself at the step that
         passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
-        and the steps pushed after it join the backlog again. A step the successor's disk tier refuses (a full
-        disk), a backlog file unreadable now or memory short stops the replay with an `OutputError`
-        (`statekv.steps.jobs.ReplayPutOff`), the successor and its backlog as they were, to go on later; any other
-        failure, or a refusal of the successor's first step (which closes it), drops the successor: the stream
-        goes on as ``own-then-cache`` alone."""
+        and the steps pushed after it join the backlog again. A passing fault (a full disk, a backlog file unreadable
+        now, memory short) stops it with an `OutputError` (`statekv.steps.jobs.ReplayPutOff`), the successor and its
+        backlog as they were, to go on later; any other failure, or a refusal of the successor's first step (which
+        closes it), drops the successor: the stream goes on as ``own-then-cache`` alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
         with self.lock:
@@ -295,8 +294,7 @@ class EncodedVideo:
 
     def replay_request(self) -> StepRequest | None:
         """The successor's next step to replay (the backlog's first), or None when there is none. An `OutputError`
-        when the disk tier's backlog file cannot be read now (the replay is put off, `replayed`); a file that does
-        not hold the step as journaled drops the successor."""
+        when its backlog file cannot be read now (put off); one not holding the step as journaled drops it."""
         if self.successor is None or not self.backlog.steps:
             return None
         try:
@@ -326,8 +324,10 @@ class EncodedVideo:
         """What a replay put off by ``refusal`` (`replayed`) leaves, in one line."""
         reason = str(refusal).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
         reason = (reason.strip().splitlines() or [type(refusal).__name__])[0]
-        return (f"{self.name}: its successor's replay stopped {len(self.backlog.steps)} steps short of the handover, "
-                f"the successor and the stream as they were, to go on at the next push or catch_up: {reason}")
+        stopped = (f"its successor's replay stopped {len(self.backlog.steps)} steps short of the handover"
+                   if self.backlog.steps else "its handover stopped before it was marked")
+        return (f"{self.name}: {stopped}, the successor and the stream as they were, to go on at the next push or "
+                f"catch_up: {reason}")
 
     def adopt_successor(self) -> None:
         """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);

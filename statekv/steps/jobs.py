@@ -168,15 +168,20 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
                 log.warning("%s", video.put_off(refused[id(video)]))
             video.replay_put_off = True
             continue
-        video.replay_put_off = False
         try:
             video.adopt_successor()
         except HandoverError as error:  # the video was closed: its folder resumes it
             stopped[id(video)] = error
             log.error("%s", error)
             continue
+        except OutputError as error:  # refused before it was marked: both engines as they were, for a later step
+            if not video.replay_put_off:
+                log.warning("%s", video.put_off(error))
+            video.replay_put_off = True
+            continue
         except Exception as error:  # the step is streamed: the video goes on with the engine it has
             video.drop_successor(f"its handover failed ({error})")
+        video.replay_put_off = False
         log.info("%s: %s after %.1f s", video.name, video.handover, time.perf_counter() - started)
     return stopped
 
@@ -197,6 +202,8 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
                 log.error("%s", error)
                 stopped.append(error)
                 continue
+            except OutputError as error:  # refused before it was marked: put off, as a refused replay is
+                refused[id(video)] = error
         video.book_engines()
     if stopped:
         raise stopped[0]
