@@ -111,3 +111,39 @@ def test_a_watch_retrieve_that_is_not_one_or_not_read_gets_one_line_as_an_asks(s
         assert asked.status_code == 400 and asked.json()["error"] == refused.json()["error"], asked.text
         assert client.post(f"/v1/streams/{recent}/watches", json=body).json()["error"] == refused.json()["error"]
         assert client.get(f"/v1/streams/{recent}/watches").json()["data"] == []
+
+
+def _metric(client, name: str) -> float:
+    found = re.search(rf"^{name} ([0-9.e+]+)$", client.get("/metrics").text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_failed_watch_evaluations_are_counted_in_the_metrics(short, pictures, tmp_path, monkeypatch):
+    """Before: a watch whose evaluations failed (the model raising, here) was only logged, once as its error
+    started: /metrics counted nothing an operator could alert on. Each failed evaluation is counted now, unlabelled
+    as the other watch metrics are (a watch's id is no label)."""
+    import statekv.api.watch as watching
+
+    options, qa = short
+    with Running(tmp_path / "state", qa, options=options) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+        _push(client, stream_id, pictures, 0, 2)
+        url = f"/v1/streams/{stream_id}/watches"
+        watch_id = client.post(url, json={"question": "Why?", "every": 1, "max_new_tokens": 2}).json()["id"]
+        assert _metric(client, "statekv_watch_failures_total") == 0
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory")
+
+        monkeypatch.setattr(watching, "evaluate", out_of_memory)
+        _push(client, stream_id, pictures, 2, 5)
+        failing = client.get(f"{url}/{watch_id}").json()
+        assert failing["error"] == "CUDA out of memory" and failing["evaluations"] == 1, failing
+        assert _metric(client, "statekv_watch_failures_total") == 3
+        assert _metric(client, "statekv_watch_evaluations_total") == 1
+        monkeypatch.undo()
+        _push(client, stream_id, pictures, 5, 6)
+        assert client.get(f"{url}/{watch_id}").json()["error"] is None
+        assert _metric(client, "statekv_watch_failures_total") == 3
+        assert _metric(client, "statekv_watch_evaluations_total") == 2

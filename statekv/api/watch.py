@@ -72,6 +72,7 @@ class WatchEvent:
 
 
 Listener = Callable[["Watch", "WatchEvent | None"], None]
+Failed = Callable[["Watch", Exception], None]  # told of an evaluation that failed, and why
 
 
 class Watch:
@@ -115,6 +116,7 @@ class Watch:
         self.last_frames = 0  # frames encoded at its last evaluation (or when it opened)
         self.last_seconds: float | None = None
         self.listeners: list[Listener] = []
+        self.failure_listeners: list[Failed] = []
         self.standing = None  # the engine's StandingQuestion (None for a stream that keeps no cache)
         self.read_steps: set[int] = set()  # the steps its last evaluation retrieved (retrieve=K)
         self.answer_tokens: list[int] | None = None  # the tokens ``answer`` was decoded from
@@ -142,11 +144,14 @@ class Watch:
                    f"every_seconds={self.every_seconds}" if self.every_seconds is not None else "on demand")
         return f"Watch({self.question!r}, {cadence}, answer={self.answer!r}, events={len(self.events)})"
 
-    def subscribe(self, listener: Listener) -> None:
+    def subscribe(self, listener: Listener, failed: Failed | None = None) -> None:
         """Call ``listener(watch, event)`` after each evaluation (``event`` None when the answer did not change),
         on the thread whose push (or call) made it due, which holds the stream: a listener may ask the stream,
-        close the watch or open another."""
+        close the watch or open another. ``failed(watch, error)``, the same way, after each evaluation that failed
+        on its cadence (its ``error`` set; not one raised to its caller: `evaluate`, or the first, as it opens)."""
         self.listeners.append(listener)
+        if failed is not None:
+            self.failure_listeners.append(failed)
 
     # -- when -------------------------------------------------------------------------------------------------
     def due(self, frames: int, seconds: float | None) -> bool:
@@ -351,7 +356,7 @@ def evaluate_due(jobs: Iterable[Any]) -> None:
         due.extend(watch for watch in watching.open if watch.due(stream.frames, watching.seconds))
     if not due:
         return
-    notices: list[tuple[Watch, WatchEvent | None]] = []
+    notices: list[tuple[Watch, WatchEvent | Exception | None]] = []
     run_on_cadence(due, notices)
     told = set()
     for job in jobs:
@@ -385,7 +390,7 @@ def _last_frame(job: Any):
 def run_evaluations(watches: list[Watch], raise_errors: bool = False, notices: list | None = None) -> None:
     """Evaluate ``watches`` (of streams whose turn it is: their locks held or their steps being run) as rows of
     batches, record their answers and events, and tell their listeners (or, given ``notices``, add each
-    ``(watch, event)`` there, for `tell` to tell later). A stream that keeps no cache (`RecentFrames`) answers each
+    ``(watch, event)`` there, or ``(watch, error)`` for a failure, for `tell` to tell later). A stream that keeps no cache (`RecentFrames`) answers each
     of its watches as it answers a question, from its last frames."""
     live = [watch for watch in watches if not watch.closed]
     results: list[tuple[Watch, Evaluation | None, Any]] = []
@@ -421,6 +426,10 @@ def run_evaluations(watches: list[Watch], raise_errors: bool = False, notices: l
                 raise outcome
             # after the pushes that made it due were taken: the watch's error, never theirs
             _log_failure(watch, outcome)
+            if notices is None:
+                tell([(watch, outcome)])
+            else:
+                notices.append((watch, outcome))
             continue
         if watch.failing is not None:
             log.warning("statekv: watch %s is evaluated again, after %d failed evaluation(s)", watch.id,
@@ -505,10 +514,12 @@ def _record(watch: Watch, tokens: torch.Tensor, retrieved: set[int]) -> WatchEve
     return event
 
 
-def tell(notices: list[tuple[Watch, WatchEvent | None]]) -> None:
-    """Call each watch's listeners with its evaluation's event (None: the answer did not change)."""
+def tell(notices: list[tuple[Watch, WatchEvent | Exception | None]]) -> None:
+    """Call each watch's listeners with its evaluation's event (None: the answer did not change), or its failure
+    listeners with its evaluation's error."""
     for watch, event in notices:
-        for listener in list(watch.listeners):
+        failed = isinstance(event, Exception)
+        for listener in list(watch.failure_listeners if failed else watch.listeners):
             try:
                 listener(watch, event)
             except Exception:  # noqa: BLE001 -- a listener's failure is its own; the watch goes on

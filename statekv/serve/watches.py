@@ -120,7 +120,7 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
                            steer=stream.qa.steer, retrieve=retrieve)
-        watch.subscribe(listener)
+        watch.subscribe(listener, getattr(listener, "failed", None))
         if holds_frames(stream):
             try:
                 run_evaluations([watch], raise_errors=True)
@@ -154,7 +154,7 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
         stream.watching.placed_as(order)
     if listener is not None:
         for watch in stream.watches:
-            watch.subscribe(listener)
+            watch.subscribe(listener, getattr(listener, "failed", None))
 
 
 def with_saved_events(entry: Any, record: dict[str, Any], files: Any) -> dict[str, Any]:
@@ -332,14 +332,16 @@ class Follower:
 
 class WatchHub:
     """Every watch evaluation of a server reports here: counted (``statekv_watch_evaluations_total``, and
-    ``statekv_watch_events_total`` for those whose answer changed) and handed to the clients following its
-    stream (``statekv_watch_followers`` of them)."""
+    ``statekv_watch_events_total`` for those whose answer changed, ``statekv_watch_failures_total`` for those that
+    failed) and handed to the clients following its stream (``statekv_watch_followers`` of them)."""
 
     def __init__(self, registry: CollectorRegistry):
         self.evaluations = Counter("statekv_watch_evaluations", "watch evaluations (standing questions answered)",
                                    registry=registry)
         self.events = Counter("statekv_watch_events", "watch events: evaluations whose answer changed",
                               registry=registry)
+        self.failures = Counter("statekv_watch_failures", "watch evaluations that failed (the watch's error says "
+                                "why)", registry=registry)
         self.followers: dict[str, set[Follower]] = {}
         self.lock = threading.Lock()
         self.closed = False
@@ -347,7 +349,8 @@ class WatchHub:
             lambda: sum(len(group) for group in list(self.followers.values())))
 
     def listener(self, stream_id: str):
-        """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`)."""
+        """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`); its ``failed``,
+        after each that failed."""
 
         def heard(watch: Watch, event: Any) -> None:
             self.evaluations.inc()
@@ -359,6 +362,7 @@ class WatchHub:
             for follower in followers:
                 follower.put(followed_event(watch, event))
 
+        heard.failed = lambda watch, error: self.failures.inc()
         return heard
 
     def follow(self, stream_id: str) -> Follower:
