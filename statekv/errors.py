@@ -63,16 +63,18 @@ class RetrievalTooWide(HorizonError):
     Qwen3-VL) and ``retrieved``, how many of them the steps read."""
 
     def __init__(self, steps: int, widest: int, room: int, limit: int, fitting: int, unit: str = "steps",
-                 per_step: int = 1, retrieved: int | None = None):
+                 per_step: int = 1, retrieved: int | None = None, least: bool = False):
         read = f"{steps} retrieved steps" if unit == "steps" else f"{retrieved} retrieved {unit} ({steps} steps)"
-        super().__init__(f"{read} of up to {widest} positions and the question ({room} tokens) do not fit in the "
+        span = f"at least {widest}" if least else f"up to {widest}"  # least: of steps a stream has yet to take
+        super().__init__(f"{read} of {span} positions and the question ({room} tokens) do not fit in the "
                          f"model's {limit} positions; retrieve at most {fitting * per_step} {unit}")
         self.steps, self.widest, self.room, self.limit, self.fitting = steps, widest, room, limit, fitting
+        self.least = least
 
     def counted_in(self, unit: str, per_step: int, retrieved: int) -> "RetrievalTooWide":
         """The same refusal counted in ``unit``, ``per_step`` of them a step, the steps holding ``retrieved``."""
         return RetrievalTooWide(self.steps, self.widest, self.room, self.limit, self.fitting, unit, per_step,
-                                retrieved)
+                                retrieved, self.least)
 
 
 class VideoError(StateKVError, ValueError):

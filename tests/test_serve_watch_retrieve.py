@@ -56,18 +56,21 @@ def _push(client, stream_id: str, pictures: list[bytes], start: int, stop: int) 
 
 def test_a_watch_takes_the_retrieve_its_error_hints_at_and_keeps_it_across_a_restart(short, pictures, tmp_path):
     """Before: a watch body refused ``retrieve`` ("unknown watch field"), so on a stream whose retrieve is too wide
-    past the range every evaluation of every watch failed, the hint naming a field no watch could be given."""
+    past the range every evaluation of every watch failed, the hint naming a field no watch could be given. A
+    watch taking the stream's retrieve is refused with that hint now, before its frames as after them."""
     options, qa = short
     with Running(tmp_path / "state", qa, options=options) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"retrieve": 100, "max_fps": None,
                                                      "horizon_frames": None}).json()["id"]
-        wide = client.post(f"/v1/streams/{stream_id}/watches", json={"question": "Why?", "every": 2,
-                                                                     "max_new_tokens": 2}).json()["id"]
-        _push(client, stream_id, pictures, 0, FRAMES)
-        failing = client.get(f"/v1/streams/{stream_id}/watches/{wide}").json()
-        assert failing["retrieve"] == 100 and failing["error"], failing
-        hint = re.fullmatch(r".*; retrieve at most (\d+) frames", failing["error"])
-        assert hint, failing["error"]
+        refusals = []
+        for frames in (0, FRAMES):
+            _push(client, stream_id, pictures, 0, frames)
+            refused = client.post(f"/v1/streams/{stream_id}/watches", json={"question": "Why?", "every": 2,
+                                                                            "max_new_tokens": 2})
+            assert refused.status_code == 409, refused.text
+            refusals.append(re.fullmatch(r".*; retrieve at most (\d+) frames", refused.json()["error"]["message"]))
+        assert refusals[0] and refusals[1] and refusals[0][1] == refusals[1][1], refusals
+        hint = refusals[1]
         made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": "Why?", "every": 2,
                                                                      "max_new_tokens": 2, "retrieve": int(hint[1])})
         assert made.status_code == 201, made.text
@@ -75,12 +78,10 @@ def test_a_watch_takes_the_retrieve_its_error_hints_at_and_keeps_it_across_a_res
         _push(client, stream_id, pictures, FRAMES, FRAMES + 2)
         watched = client.get(f"/v1/streams/{stream_id}/watches/{fitting}").json()
         assert watched["retrieve"] == int(hint[1]) and watched["error"] is None and watched["evaluations"] == 2
-        assert client.get(f"/v1/streams/{stream_id}/watches/{wide}").json()["error"]
     with Running(tmp_path / "state", qa, options=options) as server, server.client() as client:
         _push(client, stream_id, pictures, FRAMES + 2, FRAMES + 4)
         watched = client.get(f"/v1/streams/{stream_id}/watches/{fitting}").json()
         assert watched["retrieve"] == int(hint[1]) and watched["error"] is None and watched["evaluations"] == 3
-        assert client.get(f"/v1/streams/{stream_id}/watches/{wide}").json()["error"]
 
 
 def test_a_watch_retrieve_that_is_not_one_or_not_read_gets_one_line_as_an_asks(short, pictures, tmp_path):
@@ -147,3 +148,27 @@ def test_failed_watch_evaluations_are_counted_in_the_metrics(short, pictures, tm
         assert client.get(f"{url}/{watch_id}").json()["error"] is None
         assert _metric(client, "statekv_watch_failures_total") == 3
         assert _metric(client, "statekv_watch_evaluations_total") == 2
+
+
+def test_a_watch_too_wide_for_its_stream_past_the_range_is_refused_before_its_frames_too(short, pictures, tmp_path):
+    """Before: a watch retrieving more frames than fit past the model's range was a 409 only on a stream already
+    past it; made before (no frame yet, or a few) it was a 201, then failed at every evaluation past the range.
+    Now each is the same one-line 409 with the hint, and the watch made with the hint is evaluated."""
+    options, qa = short
+    with Running(tmp_path / "state", qa, options=options) as server, server.client() as client:
+        for frames in (0, 2, FRAMES):
+            stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+            _push(client, stream_id, pictures, 0, frames)
+            url = f"/v1/streams/{stream_id}/watches"
+            refused = client.post(url, json={"question": "Why?", "every": 2, "max_new_tokens": 2, "retrieve": 30})
+            assert refused.status_code == 409 and list(refused.json()) == ["error"], refused.text
+            message = refused.json()["error"]["message"]
+            assert "\n" not in message and message.startswith("30 retrieved frames (30 steps) of "), message
+            hint = re.fullmatch(r".*; retrieve at most (\d+) frames", message)
+            assert hint and client.get(url).json()["data"] == [], message
+            made = client.post(url, json={"question": "Why?", "every": 2, "max_new_tokens": 2,
+                                          "retrieve": int(hint[1])})
+            assert made.status_code == 201, made.text
+            _push(client, stream_id, pictures, frames, FRAMES + 2)
+            watched = client.get(f"{url}/{made.json()['id']}").json()
+            assert watched["error"] is None and watched["evaluations"] >= 1, (frames, watched)

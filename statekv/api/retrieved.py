@@ -9,6 +9,7 @@ import torch
 
 from ..core import Retrieval
 from ..core.positions.placing import QuestionPlan
+from ..core.watching.fitting import check_retrieval_fits
 from ..errors import RetrievalTooWide
 
 
@@ -28,6 +29,18 @@ def in_frames(error: RetrievalTooWide, video: Any, retrieval: Retrieval, frames:
     frames by ``retrieval``, counted in frames: its hint a ``retrieve`` that fits."""
     read = min(frames, held_frames(video, retrieval.keep_tokens))  # every held step read: no more than held
     return error.counted_in("frames", video.adapter.frames_per_step, read)
+
+
+def fits_past_range(video: Any, room: int, retrieval: Retrieval, frames: int) -> None:
+    """`check_retrieval_fits` for each of ``video``'s engines (a watch retrieving ``frames`` frames by
+    ``retrieval``, its question and answer taking ``room`` positions), its refusal counted in frames."""
+    adapter = video.adapter
+    least = adapter.min_video_tokens(adapter.frames_per_step) - adapter.min_video_tokens(0)  # a frame step's span
+    for prefill in video.engines:
+        try:
+            check_retrieval_fits(prefill, room, retrieval, least)
+        except RetrievalTooWide as error:
+            raise error.counted_in("frames", adapter.frames_per_step, frames) from None
 
 
 def held_frames(video: Any, keep_tokens: int) -> int:

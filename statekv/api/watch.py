@@ -45,7 +45,7 @@ from ..errors import InputError, RetrievalTooWide, StateKVError
 from ..stopping import whole
 from ..settings.values import check_bool, check_int, check_number, check_question
 from ..video.sampling import reaches
-from .retrieved import in_frames
+from .retrieved import fits_past_range, in_frames
 
 log = logging.getLogger("statekv")
 
@@ -298,6 +298,9 @@ def open_watch(stream: Any, question: str, *, evaluate_now: bool = True, check_f
         if check_fit:
             check_question_fits(prefill, watch.standing.length, watch.max_new_tokens,
                                 most_carried(prefill, carried), getattr(stream, "reserve_tokens", None))
+            if watch.retrieve is not None:
+                fits_past_range(stream, prompt.input_ids.shape[1] + watch.max_new_tokens,
+                                stream.retrieval(watch.retrieve, watch.retrieval), watch.retrieve)
         watch.since = prefill.seen_tokens
     watching = stream.watching
     if watching is None:

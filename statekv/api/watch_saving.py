@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigurationError, InputError, QuestionTooLong
+from ..errors import ConfigurationError, InputError, QuestionTooLong, RetrievalTooWide
 from ..video.sampling import slack
 from .watch import Watch, WatchEvent, open_watch
 
@@ -76,9 +76,10 @@ def _reopen(stream: Any, record: dict[str, Any], kept: dict[str, torch.Tensor], 
         watch = open_watch(stream, record["question"], **settings)
     except (ConfigurationError, InputError) as error:  # a setting no watch is opened with: named with its file
         raise InputError(f"{name}: {error}") from None
-    except QuestionTooLong as error:  # opened before watches were refused for it: kept, as the stream was saved
+    except (QuestionTooLong, RetrievalTooWide) as error:  # opened before watches were refused for it: kept, as saved
         watch = open_watch(stream, record["question"], check_fit=False, **settings)
-        log.warning("%s: watch %s is reopened, but %s; close it and open a shorter one", name, watch.id, error)
+        fix = "one retrieving fewer frames" if isinstance(error, RetrievalTooWide) else "a shorter one"
+        log.warning("%s: watch %s is reopened, but %s; close it and open %s", name, watch.id, error, fix)
     watch.answer, watch.evaluations = record["answer"], record["evaluations"]
     watch.since = 0 if layers == 0 else min(record["since"], stream.prefill.seen_tokens)
     watch.last_frames, watch.last_seconds = record["last_frames"], record["last_seconds"]

@@ -103,8 +103,8 @@ def changing_watches(entry: Any) -> Any:
 def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
     """Open a watch on ``entry``'s stream (on the model's thread), ``listener`` told of every evaluation from the
     first one, which answers at once from what the stream holds. A ``retrieve`` given is refused as a question's
-    is under a method that retrieves nothing (400), and one too wide for the stream past its range as a question's
-    (409), when the stream holds frames."""
+    is under a method that retrieves nothing (400), and one too wide for the stream past its range (409), before
+    the stream reaches its range too (`statekv.api.retrieved.fits_past_range`)."""
     stream = entry.stream
     if len(stream.watches) >= MAX_WATCHES:
         raise ServiceError(409, f"stream {entry.id} has its limit of {MAX_WATCHES} watches; delete one first")

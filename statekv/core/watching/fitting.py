@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import QuestionTooLong
+from ...errors import QuestionTooLong, RetrievalTooWide
 from ..answering.retrieval import Retrieval
 
 
@@ -48,6 +48,28 @@ def check_question_fits(prefill, prompt: int, answer: int, carried: int, reserve
     room = tail_room(prefill, carried)
     if prompt + answer > room:
         raise QuestionTooLong(prompt, answer, room, limit=prefill.positions.limit)
+
+
+def check_retrieval_fits(prefill, room: int, retrieval: Retrieval, least_span: int) -> None:
+    """A one-line `RetrievalTooWide` (counted in steps) when ``retrieval`` cannot fit ``prefill``'s bounded stream
+    once past its range, beside a question and answer of ``room`` positions, as an evaluation then finds: checked
+    while the stream still fits the range (a watch opened then must not fail at every evaluation past it), from
+    what it kept so far and the ``least_span`` positions each later step takes at least. Nothing under ``stream``
+    positions, past the range (the evaluation itself refuses there) or under a cache cap (which may hold fewer steps
+    than are retrieved)."""
+    positions = prefill.positions
+    if not positions.bounded or prefill.keeper is not None or positions.next_first + room > positions.limit:
+        return
+    keep_steps, start = 0, 0  # as `StreamingPrefill.question_plan`: the steps it keeps whole, so far
+    for length in prefill.cache.chunk_lengths:
+        if start >= retrieval.keep_tokens:
+            break
+        keep_steps, start = keep_steps + 1, start + length
+    widest = max(positions.widest, least_span, 1)
+    fitting = (positions.limit - room - positions.keep_end(keep_steps)) // widest
+    if 1 <= fitting < retrieval.steps:
+        raise RetrievalTooWide(retrieval.steps, widest, room, positions.limit, fitting,
+                               least=widest > positions.widest)
 
 
 def most_carried(prefill, carried: int) -> int:
