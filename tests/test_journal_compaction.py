@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import tracemalloc
 import zlib
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk.compaction import COMPACTED, compacted_record, folded_steps, joined, runs, unfolded
+from statekv.core.disk.compaction import (COMPACTED, compacted_record, folded_steps, joined, merged_record, runs,
+                                          unfolded)
 from statekv.core.disk.files import (MANIFEST, MERGED_RECORDS, compacted_journal, journal_line, read_checked,
                                      read_file_set, write_checked)
 from statekv.errors import InputError
@@ -244,3 +246,49 @@ def test_a_format_3_file_set_resumes_and_says_format_4_once_written_to(adapter, 
     write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 5})
     with pytest.raises(InputError, match="format 5; this statekv reads 3 and 4"):
         Stream.load(folder, qa)
+
+
+def test_merging_compacted_records_gives_what_unfolding_them_gave():
+    """Records whose steps interleave (evict-least-attended) merge into the record their steps unfolded make."""
+    generator = random.Random(3)
+    for _ in range(400):
+        count, kinds = generator.randrange(1, 120), generator.randrange(1, 6)
+        owner, placed = [generator.randrange(kinds) for _ in range(count)], generator.random() < 0.7
+        groups = []
+        for kind in range(kinds):
+            steps = [{"step": s, "tokens": generator.choice([64, 65, s % 3 + 1]), "frames": generator.choice([1, 0])}
+                     for s in range(count) if owner[s] == kind and generator.random() < 0.9]
+            for step in steps if placed or generator.random() < 0.5 else ():
+                step["placed"] = [64 * step["step"] if generator.random() < 0.9 else 3, 64, generator.choice([0, 7])]
+            if steps and generator.random() < 0.5:
+                generator.choice(steps)["last_frame"] = [generator.randrange(9), 2]
+            if steps:
+                groups.append(compacted_record(steps))
+        every = sorted((step for record in groups for step in folded_steps(record)), key=lambda step: step["step"])
+        assert journal_line(merged_record(groups)) == journal_line(compacted_record(every))
+    with pytest.raises(ValueError):  # the same step in two records
+        merged_record([compacted_record([{"step": 3, "tokens": 4}])] * 2)
+
+
+def test_merging_compacted_records_does_not_unfold_the_steps_they_stand_for():
+    """A stream evicting its least-attended steps for weeks: merging its compacted records (past MERGED_RECORDS)
+    costs what their runs hold, not a record per step it ever evicted."""
+    kinds, block, total = MERGED_RECORDS + 1, 1000, 200_000
+    lines = [journal_line({"file_set": "x"})]
+    for kind in range(kinds):  # every kinds-th block of steps: a steady camera's, evicted in turn
+        steps = [[first, 1, block] for first in range(kind * block, total, kinds * block)]
+        held = sum(run[2] for run in steps)
+        lines.append(journal_line({COMPACTED: steps, "tokens": [[64, 0, held]], "frames": [[1, 0, held]]}))
+    lines += [journal_line({"step": total, "tokens": 64, "frames": 1, "crc": 0}), journal_line({"evict": [total]}),
+              journal_line({"step": total + 1, "tokens": 64, "frames": 1, "crc": 0}),
+              journal_line({"carry": total + 1, "slot": 0})]
+    tracemalloc.start()
+    try:
+        compacted = compacted_journal(b"".join(lines))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    records = [json.loads(line.split(b" ", 1)[1]) for line in compacted.splitlines()]
+    assert [record for record in records if COMPACTED in record] == [
+        {COMPACTED: [[0, 1, total + 1]], "tokens": [[64, 0, total + 1]], "frames": [[1, 0, total + 1]]}]
+    assert peak < 2 << 20, peak  # unfolding them took ~400 bytes a step

@@ -5,13 +5,16 @@ Of an evicted step, a resume reads only its length, its frames and (under bounde
 `DiskTier.compact` folds the records of such steps into a ``compacted`` record holding each of these as arithmetic
 runs (`runs`: a steady camera's steps, however many, are a run each; later ones are `joined` to them without
 unfolding) and drops what no resume reads (records before the last checkpoint other than its steps, the older
-checkpoints' records), keeping every other line as it was. `folded_steps` reads a record back as the steps'
+checkpoints' records), keeping every other line as it was. Records whose steps interleave (evict-least-attended
+gives up old steps after newer ones) are `merged_record` run by run, so compacting costs what the journal holds,
+not what the stream ever streamed. `folded_steps` reads a record back as the steps'
 records (`statekv.core.disk.files.read_file_set`).
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,22 +44,27 @@ def joined(left: list[list[int]], right: list[list[int]]) -> list[list[int]]:
     """The runs of ``left``'s values then ``right``'s, as `runs` would fold them value by value, without unfolding
     either (a steady camera's runs, however long, join in a few operations)."""
     folded = [list(run) for run in left]
-    for value, difference, count in right:
-        if folded and count:
-            first, step, held = folded[-1]
-            if held == 1:  # a run of one takes the next value, whatever the difference
-                folded[-1] = [first, value - first, 2]
-                value, count = value + difference, count - 1
-                first, step, held = folded[-1]
-            if count and first + step * held == value:  # the run goes on with the next value
-                folded[-1][2] += 1
-                value, count = value + difference, count - 1
-                if count and difference == step:  # and with every value of this run
-                    folded[-1][2] += count
-                    count = 0
-        if count:
-            folded.append([value, difference if count > 1 else 0, count])
+    for run in right:
+        _extend(folded, *run)
     return folded
+
+
+def _extend(folded: list[list[int]], value: int, difference: int, count: int) -> None:
+    """Append the run ``[value, difference, count]``'s values to the runs ``folded``, in place, as `runs` would."""
+    if folded and count:
+        first, step, held = folded[-1]
+        if held == 1:  # a run of one takes the next value, whatever the difference
+            folded[-1] = [first, value - first, 2]
+            value, count = value + difference, count - 1
+            first, step, held = folded[-1]
+        if count and first + step * held == value:  # the run goes on with the next value
+            folded[-1][2] += 1
+            value, count = value + difference, count - 1
+            if count and difference == step:  # and with every value of this run
+                folded[-1][2] += count
+                count = 0
+    if count:
+        folded.append([value, difference if count > 1 else 0, count])
 
 
 def last_step(record: dict[str, Any]) -> int:
@@ -103,6 +111,112 @@ def compacted_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if framed:  # a resume reads the last step's last frame that has one
         record["last_frame"] = [int(framed[-1]["step"]), framed[-1]["last_frame"]]
     return record
+
+
+def merged_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``compacted`` record standing for the steps of ``records`` (each steps in order, their steps apart):
+    the record `compacted_record` makes of their steps, found run by run, without unfolding a step (the cost goes
+    with their runs and how often their steps interleave, not with how many steps they stand for); a `ValueError`
+    when one is malformed or two stand for the same step."""
+    placed = bool(records) and all(PLACED in record for record in records)
+    cursors = []  # per record: its pieces, each ``[count, first step, step difference, first, difference, ...]``
+    for record in records:
+        fields = [_checked_runs(record.get(name)) for name in (COMPACTED, "tokens", "frames")]
+        if PLACED in record:
+            parts = record[PLACED]
+            if not isinstance(parts, list) or len(parts) != 3:
+                raise ValueError("its placements are not three runs")
+            fields.extend(_checked_runs(part) for part in parts)
+        if len({sum(run[2] for run in runs_) for runs_ in fields}) != 1:
+            raise ValueError("its runs disagree")
+        if fields[0] and fields[0][0][0] < 0:
+            raise ValueError("a negative step")
+        if any(_least(run) < 1 for run in fields[1]) or any(_least(run) < 0 for run in fields[2]):
+            raise ValueError("a step of no tokens, or of fewer than no frames")
+        pieces = _pieces(fields if placed else fields[:3])
+        for before, after in zip(pieces, pieces[1:]):
+            if after[1] <= before[1] + before[2] * (before[0] - 1):
+                raise ValueError("its runs disagree")
+        if any(piece[0] > 1 and piece[2] < 1 for piece in pieces):
+            raise ValueError("its runs disagree")
+        cursors.append([pieces, 0, 0])  # its pieces, the one reached, the values of it taken
+    merged: list[list[list[int]]] = [[] for _ in range(6 if placed else 3)]
+    heap = [(pieces[0][1], index) for index, (pieces, _, _) in enumerate(cursors) if pieces]
+    heapq.heapify(heap)
+    while heap:
+        step, index = heapq.heappop(heap)
+        cursor = cursors[index]
+        pieces, at, taken = cursor
+        count, first, difference = pieces[at][:3]
+        left = count - taken
+        if heap:  # the values before the next record's next step
+            if heap[0][0] == step:
+                raise ValueError("two records stand for the same step")
+            left = min(left, -(-(heap[0][0] - step) // difference) if difference > 0 else 1)
+        values = pieces[at][1:]
+        for runs_, value, change in zip(merged, values[::2], values[1::2]):
+            _extend(runs_, value + change * taken, change if left > 1 else 0, left)
+        taken += left
+        if taken == count:
+            at, taken = at + 1, 0
+        cursor[1:] = [at, taken]
+        if at < len(pieces):
+            heapq.heappush(heap, (pieces[at][1] + pieces[at][2] * taken, index))
+    record: dict[str, Any] = dict(zip((COMPACTED, "tokens", "frames"), merged))
+    if placed:
+        record[PLACED] = merged[3:]
+    framed = []
+    for one, (pieces, _, _) in zip(records, cursors):
+        if "last_frame" in one:
+            named = one["last_frame"]
+            if not (isinstance(named, list) and len(named) == 2 and type(named[0]) is int
+                    and any(_holds(piece, named[0]) for piece in pieces)):
+                raise ValueError("its last frame names no step of it")
+            if isinstance(named[1], list):
+                framed.append(named)
+    if framed:  # a resume reads the last step's last frame that has one
+        record["last_frame"] = [*max(framed, key=lambda named: named[0])]
+    return record
+
+
+def _checked_runs(folded: Any) -> list[list[int]]:
+    """``folded`` if it is a list of runs of integers (`runs`); a `ValueError` if not."""
+    if not isinstance(folded, list):
+        raise ValueError("not a list of runs")
+    for run in folded:
+        if not isinstance(run, list) or len(run) != 3 or not all(type(v) is int for v in run) or run[2] < 1:
+            raise ValueError(f"not a run: {run!r}")
+    if sum(run[2] for run in folded) > 1 << 40:
+        raise ValueError("too many")
+    return folded
+
+
+def _holds(piece: list[int], step: int) -> bool:
+    """Whether the piece (`_pieces`) stands for step ``step``."""
+    count, first, difference = piece[:3]
+    return first <= step <= first + difference * (count - 1) and (step - first) % (difference or 1) == 0
+
+
+def _least(run: list[int]) -> int:
+    first, difference, count = run
+    return min(first, first + difference * (count - 1))
+
+
+def _pieces(fields: list[list[list[int]]]) -> list[list[int]]:
+    """The runs ``fields`` (as many values each) cut where any of them is: ``[count, first, difference, ...]``
+    each, every field arithmetic over the piece."""
+    pieces, at, taken = [], [0] * len(fields), [0] * len(fields)
+    while at[0] < len(fields[0]):
+        count = min(runs_[i][2] - t for runs_, i, t in zip(fields, at, taken))
+        piece = [count]
+        for k, runs_ in enumerate(fields):
+            first, difference, held = runs_[at[k]]
+            piece += [first + difference * taken[k], difference]
+            taken[k] += count
+            if taken[k] == held:
+                at[k], taken[k] = at[k] + 1, 0
+        pieces.append(piece)
+    return pieces
 
 
 def folded_steps(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,14 +20,14 @@ from typing import Any
 from ...errors import ForeignFilesError, InputError
 from ...flushing import write_whole
 from ...locks import FolderLock
-from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step
+from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step, merged_record
 
 FORMAT = "statekv-disk-cache"
 # 4: its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its files not bound to each other
 # (no file_set); 1: the carried state journaled every step
 FORMAT_VERSION = 4
 READ_VERSIONS = (3, FORMAT_VERSION)
-MERGED_RECORDS = 8  # compacted records kept side by side before they are merged into one (unfolding them all)
+MERGED_RECORDS = 8  # compacted records kept side by side before they are merged into one (`merged_record`)
 FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
 MANIFEST = "manifest.json"
 JOURNAL = "journal"
@@ -262,8 +262,7 @@ def compacted_journal(data: bytes) -> bytes | None:
         else:
             folded.append(new)
         if len(folded) > MERGED_RECORDS:
-            every = sorted((step for record in folded for step in folded_steps(record)), key=lambda s: s["step"])
-            folded = [compacted_record(every)]
+            folded = [merged_record(folded)]
     except (ValueError, TypeError, KeyError):
         return None
     folding = set(fold)
