@@ -46,6 +46,8 @@ from ...settings.methods import RETRIEVAL_RULES
 from ...settings.values import check_int
 from ..cache.step_runs import StepRuns
 from ..positions.rotation import rotate
+from .segments import (evicted_segments, partly_evicted, segment_tokens, segments_to_choose,
+                       segments_without_choices)
 
 # Query rows x keys of one block of scores: bounds the scratch memory of AttentionShare on long streams.
 SCORE_BLOCK = 1 << 22
@@ -84,6 +86,8 @@ class LayerQuestion:
     past the range, `statekv.core.positions.placing.StreamPositions.scoring_turns`), or None: as stored;
     segment_turns: ``[G]`` the same for each complete segment (its queries turned the other way); frequencies: the
     rotary frequencies ``[R / 2]`` the turns rotate with. held: None, or which of the stream's steps these are.
+    segment_tokens: ``[G]`` (float, host) the tokens each segment's sum is over, when not every token of its steps
+    (`segments_to_choose`), or None.
 
     A stream that evicts (a cache limit) gives its wholly evicted segments back, and a question over it sees only
     the steps it holds (the kvpress way: a rule scores what it is given): ``steps``, ``starts``, ``step_means``,
@@ -91,6 +95,8 @@ class LayerQuestion:
     from 0 as if nothing else had been streamed (a segment evicted in part is held whole, its evicted steps in
     ``evicted``, their summaries zeros), token indices (``read_keys``, ``keys``) counted over them alone, and
     ``held`` says which steps of the stream they are (`Retrieval` maps its choice back). A rule never needs it.
+    A rule ranks segments over ``segments_to_choose(seen, first)``: a segment evicted in part indexed over its held
+    steps alone (``segment_tokens`` their tokens).
     """
 
     layer: int
@@ -125,6 +131,7 @@ class LayerQuestion:
     segment_turns: torch.Tensor | None = field(default=None, compare=False)
     frequencies: torch.Tensor | None = field(default=None, compare=False)
     held: Held | None = field(default=None, compare=False)
+    segment_tokens: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.evicted, StepRuns):  # any set of steps
@@ -198,9 +205,7 @@ class MeanKeyMatch(RetrievalRule):
         """The same score of each segment's mean key (its keys' sum over its tokens)."""
         index = seen.segments.float()
         hkv, dim = index.shape[1], index.shape[-1] // 3
-        starts = seen.step_starts
-        groups = torch.arange(index.shape[2] + 1) * seen.segment_steps
-        tokens = (starts[groups[1:]] - starts[groups[:-1]]).float().to(index.device)
+        tokens = segment_tokens(seen, torch.arange(index.shape[2])).to(index.device)
         means = segment_means(index, tokens[None, None, :, None])
         if seen.segment_turns is not None:
             means = rotate(means, seen.segment_turns.to(means.device).expand(*means.shape[:2], -1), seen.frequencies)
@@ -379,7 +384,7 @@ class Retrieval:
         else:
             # never ranked: a segment with no step to choose (kept whole, evicted) would take the place of one that
             # has some, and a layer could read fewer than ``steps`` steps while more are held
-            scores = self.rule.segment_scores(seen)
+            scores = self.rule.segment_scores(segments_to_choose(seen, first))
             scores = scores.masked_fill(empty.to(scores.device), -math.inf)
             best = set(scores.topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)
@@ -414,11 +419,13 @@ class Retrieval:
             gone = gone.clone()  # its steps not kept were all evicted: nothing of it left to stand for
             gone[split] = True
         rest = (~expanded if gone is None else ~expanded & ~gone).nonzero().squeeze(1)
+        parts = partly_evicted(seen, first, index.shape[1])  # stand for their steps held alone
+        straddles = straddles and split not in parts
         keys, weights = [], []
         if rest.numel():
-            starts = seen.step_starts
-            tokens = (starts[(rest + 1) * per_segment] - starts[rest * per_segment]).float()
-            means = segment_means(index[:, rest.to(index.device)].float(), tokens.to(index.device)[None, :, None])
+            starts, choosing = seen.step_starts, segments_to_choose(seen, first)
+            tokens = segment_tokens(choosing, rest).to(index.device)
+            means = segment_means(choosing.segments[0][:, rest.to(index.device)].float(), tokens[None, :, None])
             if straddles:
                 means = _without_kept(seen, index, rest, means, first)
             if seen.segment_turns is not None:
@@ -429,6 +436,8 @@ class Retrieval:
             if straddles:
                 held = torch.diff(starts[first:end + 1]).double().clamp(max=most).sum()
                 counts = torch.where(rest == split, held, counts)
+            for at in (torch.isin(rest, torch.tensor(list(parts), dtype=torch.long))).nonzero().squeeze(1).tolist():
+                counts[at] = torch.diff(starts)[parts[int(rest[at])]].double().clamp(max=most).sum()
             weights.append(counts.log().float())
         kept = range(first)  # the prompt prefix and sinks: never candidates
         if kept and seen.samples is not None:
@@ -454,34 +463,6 @@ class Retrieval:
         for first, length in zip(firsts.tolist(), (starts[held + 1] - starts[held]).tolist()):
             parts.append(torch.arange(max(first, keep), first + length))
         return torch.cat(parts).to(seen.device)
-
-
-def evicted_segments(seen: LayerQuestion, complete: int) -> torch.Tensor | None:
-    """``[G]`` bool: which of the ``complete`` segments had every step evicted (their index rows given back, see
-    `statekv.core.storage.limits`), or None when no step was; made once per question."""
-    if not seen.evicted or seen.segment_steps < 1:
-        return None
-    key = f"evicted segments of {complete}"
-    made = seen.memory.get(key)
-    if made is None:
-        made = seen.memory[key] = torch.zeros(complete, dtype=torch.bool)
-        for start, end in seen.evicted.runs():  # the segments a run covers whole
-            made[-(-start // seen.segment_steps):min(end // seen.segment_steps, complete)] = True
-    return made
-
-
-def segments_without_choices(seen: LayerQuestion, complete: int, first: int) -> torch.Tensor:
-    """``[G]`` bool: which of the ``complete`` segments hold no step a question may choose, every one of their
-    steps being before ``first`` (kept whole: the prompt prefix and sinks) or evicted."""
-    empty = evicted_segments(seen, complete)
-    empty = torch.zeros(complete, dtype=torch.bool) if empty is None else empty.clone()
-    per_segment = seen.segment_steps
-    split = first // per_segment  # the segment ``first`` lies in: kept before it, held or evicted from it
-    empty[:min(split, complete)] = True
-    if split < complete and first % per_segment:
-        end = (split + 1) * per_segment
-        empty[split] = seen.evicted.count_from(first) - seen.evicted.count_from(end) == end - first
-    return empty
 
 
 def _sampled_per_segment(seen: LayerQuestion, segments: int, most: int) -> torch.Tensor:
