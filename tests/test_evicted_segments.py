@@ -1,6 +1,7 @@
 """A segment of the retrieval index evicted in part ranks, and stands in the `attention` rule's softmax, for the
 keys of its steps still held: its index row was written when it completed, with the keys of steps evicted since,
-whose summaries were given back, so a question must not prefer or skip it for keys it can no longer read."""
+whose summaries were given back, so a question must not prefer or skip it for keys it can no longer read; nor
+(`rekv`) the segment the kept steps end in for the kept keys, which are never chosen."""
 
 from __future__ import annotations
 
@@ -46,3 +47,16 @@ def test_a_segment_evicted_in_part_ranks_by_its_held_steps_alone():
             (first, scores), (second, again) = picks
             assert first == second, (rule.name, seed)
             torch.testing.assert_close(scores, again, rtol=1e-5, atol=1e-6)
+
+
+def test_the_rekv_rule_ranks_a_segment_kept_in_part_by_its_other_steps():
+    """The prompt prefix (and sinks) are kept, never chosen: the segment they end in ranks by the mean key of its
+    other steps, so the steps `rekv` chooses must not depend on the kept keys. Before, its mean took them in: with
+    the prefix's keys turned towards the question rather than away, 12 of 40 random questions of each layout read
+    other steps."""
+    for steps, keep_tokens in (((6,) + (2,) * 63, 6), ((2,) * 64, 4)):
+        for seed in range(20):
+            picks = [Retrieval(2, keep_tokens=keep_tokens, rule=MeanKeyMatch()).choose(question(
+                seed, steps=steps, plant=list(range(keep_tokens // steps[0])), strength=strength)[0])
+                for strength in (-6, 6)]
+            assert picks[0] == picks[1], (steps[0], seed)

@@ -384,7 +384,7 @@ class Retrieval:
         else:
             # never ranked: a segment with no step to choose (kept whole, evicted) would take the place of one that
             # has some, and a layer could read fewer than ``steps`` steps while more are held
-            scores = self.rule.segment_scores(segments_to_choose(seen, first))
+            scores = self.rule.segment_scores(segments_to_choose(seen, first, split=True))
             scores = scores.masked_fill(empty.to(scores.device), -math.inf)
             best = set(scores.topk(expanded).indices.tolist())
         total = seen.memory.get(self.rule.name)

@@ -51,18 +51,27 @@ def partly_evicted(seen: LayerQuestion, first: int, complete: int) -> dict[int, 
     return made
 
 
-def segments_to_choose(seen: LayerQuestion, first: int) -> LayerQuestion:
+def segments_to_choose(seen: LayerQuestion, first: int, split: bool = False) -> LayerQuestion:
     """``seen`` with each complete segment evicted in part (`partly_evicted`) indexed over its steps held from
     ``first`` on alone, so that it ranks for keys a question can still read: ``segments`` (float) their keys' sum
     from their mean keys, and their keys' minimum and maximum from their sampled keys where those are every key of
-    theirs (else the segment's own, still a bound on them); ``segment_tokens`` their tokens. ``seen`` itself when
-    no segment is evicted in part."""
-    parts = partly_evicted(seen, first, 0 if seen.segments is None else seen.segments.shape[2])
-    if not parts:
+    theirs (else the segment's own, still a bound on them); ``segment_tokens`` their tokens. ``split``: the segment
+    step ``first`` lies in too, its sum less its kept steps' (their mean keys times their lengths; its minimum and
+    maximum its own, a bound on its other steps). ``seen`` itself when no segment changes."""
+    complete = 0 if seen.segments is None else seen.segments.shape[2]
+    parts, per_segment = partly_evicted(seen, first, complete), seen.segment_steps
+    at = first // per_segment if split and per_segment > 0 and first % per_segment else complete
+    kept_out = at < complete and at not in parts and not segments_without_choices(seen, complete, first)[at]
+    if not parts and not kept_out:
         return seen
     index = seen.segments.to(torch.float32, copy=True)  # [1, H_kv, G, 3 D]: never the stream's own
     dim, lengths = index.shape[-1] // 3, torch.diff(seen.step_starts)
     tokens = segment_tokens(seen, torch.arange(index.shape[2])).clone()
+    if kept_out:
+        kept = torch.arange(at * per_segment, first)
+        means = seen.step_means[0].index_select(1, kept.to(index.device)).float()
+        index[0, :, at, 2 * dim:] -= (means * lengths[kept].float().to(index.device)[None, :, None]).sum(1)
+        tokens[at] -= float(lengths[kept].sum())
     for segment, steps in parts.items():
         length = lengths[steps]
         means = seen.step_means[0].index_select(1, steps.to(index.device)).float()  # [H_kv, n, D]
