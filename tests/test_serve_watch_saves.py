@@ -280,3 +280,33 @@ def test_an_object_store_failing_as_it_lists_a_save_loses_no_event_of_a_watch_a_
     with pytest.raises(StorageError):
         with_saved_events(entry, record, Store())
     assert "are lost" not in caplog.text
+
+
+def test_a_recorded_watch_no_watch_opens_with_now_is_left_out_and_the_others_come_back(tmp_path, qa, pictures,
+                                                                                       caplog):
+    """Before: one watch in a stream's record that could not be reopened (a setting refused since, here ``every``
+    0) left the stream without any of its watches, and the record written at the start then lost the others for
+    good. Now that one is left out, logged in one line naming it, and the others come back, also at the next
+    start."""
+    state, killed = tmp_path / "state", tmp_path / "killed"
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 2)
+        made = [client.post(f"/v1/streams/{stream_id}/watches",
+                            json={"question": COUNT, "every": every, "max_new_tokens": 2}).json()["id"]
+                for every in (2, 3)]
+        shutil.copytree(state, killed)  # a server killed before any save: its watches are in its record alone
+    path = killed / "streams" / f"{stream_id}.json"
+    record = json.loads(path.read_text())
+    assert [watch["id"] for watch in record["watches"]] == made
+    record["watches"][0]["every"] = 0
+    path.write_text(json.dumps(record))
+    for start in (0, 3):  # the frames lost to the kill pushed again, then more after a restart
+        with Running(killed, qa) as server, server.client() as client:
+            listed = client.get(f"/v1/streams/{stream_id}/watches").json()["data"]
+            assert [(watch["id"], watch["every"]) for watch in listed] == [(made[1], 3)]
+            push(client, stream_id, pictures, start, start + 3)
+            assert client.get(f"/v1/streams/{stream_id}/watches/{made[1]}").json()["evaluations"] == start // 3 + 1
+    lines = [record.getMessage() for record in caplog.records if made[0] in record.getMessage()]
+    assert len(lines) == 1 and "every (frames between evaluations) must be a positive integer, got 0" in lines[0]
+    assert "\n" not in lines[0] and made[1] not in lines[0]

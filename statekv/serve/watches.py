@@ -133,7 +133,9 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
 def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
     """Reopen the watches ``record`` names on ``entry``'s stream as it was brought back (on the model's thread):
     those its saved file brought back already keep what it held, the others are reopened from the record, and
-    any the record no longer names are closed. A malformed list leaves the stream without watches (logged)."""
+    any the record no longer names are closed. A watch whose record is malformed, or whose settings no watch opens
+    with now, is left out (logged, naming it); the others are reopened. A malformed list leaves the stream without
+    watches (logged)."""
     stream = entry.stream
     saved = record.get("watches")
     if not isinstance(saved, list):
@@ -143,12 +145,16 @@ def recall(entry: Any, record: dict[str, Any], listener: Any = None) -> None:
         if watch.id not in wanted:
             watch.close()
     held = {watch.id for watch in stream.watches}
-    missing = [data for data in saved if isinstance(data, dict) and data.get("id") not in held]
-    try:
-        with stream.lock:
-            restore(stream, missing, where=f"stream {entry.id}'s record")
-    except StateKVError as error:
-        log.error("stream %s: its watches cannot be reopened (%s); it is served without them", entry.id, error)
+    for number, data in enumerate(saved):
+        if not isinstance(data, dict) or data.get("id") in held:
+            continue
+        try:  # each alone: one that cannot be reopened (a setting refused since) never takes the others with it
+            with stream.lock:
+                restore(stream, [data], where=f"stream {entry.id}'s record")
+        except StateKVError as error:
+            reason = str(error).replace(f"stream {entry.id}'s record: watches[0]: ", "", 1)
+            log.error("stream %s: its watch %s (watches[%d] of its record) cannot be reopened (%s); it is served "
+                      "without it: open it again", entry.id, watch_id(data) or "without an id", number, reason)
     order = record.get("watch_order")
     if stream.watching is not None and isinstance(order, list) and all(isinstance(key, str) for key in order):
         stream.watching.placed_as(order)
