@@ -310,3 +310,24 @@ def test_a_recorded_watch_no_watch_opens_with_now_is_left_out_and_the_others_com
     lines = [record.getMessage() for record in caplog.records if made[0] in record.getMessage()]
     assert len(lines) == 1 and "every (frames between evaluations) must be a positive integer, got 0" in lines[0]
     assert "\n" not in lines[0] and made[1] not in lines[0]
+
+
+def test_a_stream_saved_at_shutdown_whose_record_fails_is_not_said_to_lose_frames(tmp_path, qa, pictures, caplog,
+                                                                                   monkeypatch):
+    """Before: its save written, its record refused (a full disk), the shutdown logged "the 0 frames pushed since its
+    last save are lost"; it now says that no frame is lost, and the next start serves every frame."""
+    from statekv.serve.entries import StreamEntry
+
+    state, write_record = tmp_path / "state", StreamEntry.write_record
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+
+        def refused(entry, files):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(StreamEntry, "write_record", refused)
+    monkeypatch.setattr(StreamEntry, "write_record", write_record)
+    said = [record.getMessage() for record in caplog.records if "at shutdown" in record.getMessage()]
+    assert said and "no frame is lost" in said[0] and "are lost" not in said[0], said
+    with Running(state, qa) as server, server.client() as client:
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3

@@ -471,7 +471,8 @@ class StreamRegistry:
             except (StateKVError, OSError) as error:  # the store's failures too: the other streams are saved
                 since = entry.stream.pushed - entry.saved["pushed"]
                 lost = ("the next start resumes it from its disk-tier folder, at its last durable step" if entry.tier
-                        else f"the {since} frames pushed since its last save are lost when the server stops")
+                        else f"the {since} frames pushed since its last save are lost when the server stops" if since
+                        else "no frame is lost: its last save holds every one it took")
                 log.error("cannot save stream %s at shutdown: %s; %s", entry.id, error, lost)
                 with contextlib.suppress(OSError, StateKVError):  # what its record keeps (watches, answers) at least
                     entry.write_record(self.files)
