@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigurationError, OutputError, StateKVError
 from . import openai, routes, watch_routes
@@ -233,6 +234,11 @@ def _error_handlers(app: FastAPI, service: Service) -> None:
         if error.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return answer(request, error.status_code, message, "invalid_request_error", getattr(error, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        # the page's file uploads read their bodies themselves (NiceGUI): a tab reloaded or closed mid-upload
+        return answer(request, 499, "the client went away before its request body was whole", "invalid_request_error")
 
     def internal(request: Request, error: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path, exc_info=error)
