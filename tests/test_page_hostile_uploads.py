@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import pytest
 
@@ -54,3 +55,54 @@ def test_a_body_cut_off_by_its_client_is_a_499_never_an_internal_error(tmp_path,
     body = json.loads(b"".join(message.get("body", b"") for message in sent[1:]))
     assert "went away" in body["error"]["message"], body
     assert not [record for record in caplog.records if record.exc_info or "internal error" in record.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def uploads_server(tmp_path_factory):
+    from test_serve import Server
+
+    from statekv.testing.videos import write_test_video
+
+    media = tmp_path_factory.mktemp("media")
+    write_test_video(media / "clip.mp4", frames=4, fps=1)
+    write_test_video(media / "added.mp4", frames=12, fps=1, size=(320, 240))  # big enough to take a while up
+    running = Server(tmp_path_factory.mktemp("uploads") / "state", media).start()
+    yield running
+    running.stop()
+
+
+@pytest.mark.slow
+def test_a_video_added_to_a_stream_goes_into_it_though_another_is_opened_as_it_uploads(uploads_server):
+    """Before: the file went into the stream open once it was up, not the one it was added to (the other stream
+    took its frames, and its own stream none)."""
+    from test_serve import KEY, chromium_browser
+
+    server = uploads_server
+    with server.client() as client:
+        def made() -> str:
+            stream_id = client.post("/v1/streams").json()["id"]
+            client.post(f"/v1/streams/{stream_id}/frames", json={"source": "clip.mp4"}).raise_for_status()
+            return stream_id
+
+        added_to, other = made(), made()
+        frames = lambda stream_id: client.get(f"/v1/streams/{stream_id}").json()["frames"]  # noqa: E731
+        with chromium_browser() as browser:
+            page = browser.new_page()
+            page.goto(f"{server.url}/?key={KEY}&stream={added_to}")
+            page.wait_for_selector(".statekv-stats:has-text('4 frames ·')", timeout=60_000)
+            network = page.context.new_cdp_session(page)
+            network.send("Network.enable")
+            network.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                              "downloadThroughput": -1, "uploadThroughput": 2000})
+            page.set_input_files(".statekv-upload-more input[type=file]", str(server.media / "added.mp4"))
+            page.wait_for_function("() => /[1-9]/.test((document.querySelector('.statekv-upload-more "
+                                   ".q-uploader__subtitle') || {}).innerText || '')", timeout=30_000)
+            page.locator(f".statekv-stream-{other}").get_by_role("button", name="open").click()
+            page.wait_for_function(f"() => location.href.includes({other!r})", timeout=30_000)
+            network.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                              "downloadThroughput": -1, "uploadThroughput": -1})
+            deadline = time.monotonic() + 60
+            while frames(added_to) < 16 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (frames(added_to), frames(other)) == (16, 4)
+            assert page.inner_text(".statekv-title") and page.url.endswith(other)  # the view stays where it went

@@ -77,6 +77,7 @@ class StreamPage:
         self.rows: dict[str, Any] = {}
         self.answering: set[TokenStreamer] = set()  # the tab's questions under way, stopped once it is gone
         self.camera_stream: str | None = None  # the stream the tab's camera feeds
+        self.adding_to = None  # the open stream as a file added to it began to upload (not the open one by its end)
 
     # -- layout ----------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -158,6 +159,7 @@ class StreamPage:
                         "self-start statekv-stop-feed")
                 self.feed_error = ErrorNote("feed", on_dismiss=self.dismiss_feed_error)  # forgotten on the server too
                 self.more_upload = self.uploader("add a video to this stream", self.on_more_upload, "more")
+                self.more_upload.on_begin_upload(self.more_begins)
                 self.more_upload_error = ErrorNote("more")
         self.chart = ui.echart({
             "animation": False, "tooltip": {"trigger": "axis"}, "grid": {"left": 60, "right": 20, "top": 35, "bottom": 45},
@@ -320,8 +322,13 @@ class StreamPage:
     async def on_new_upload(self, event) -> None:
         await self.feed_upload(event, None, self.new_upload_error, self.new_upload)
 
+    def more_begins(self) -> None:
+        self.adding_to = self.entry
+
     async def on_more_upload(self, event) -> None:
-        await self.feed_upload(event, self.entry, self.more_upload_error, self.more_upload)
+        """Into the stream open as the file began to upload, though another was opened while it uploaded."""
+        entry, self.adding_to = self.adding_to or self.entry, None
+        await self.feed_upload(event, entry, self.more_upload_error, self.more_upload)
 
     async def feed_upload(self, event, entry, error: ErrorNote, upload) -> None:
         """Check the file, then feed it into ``entry`` (None: a new stream named after it) in the background."""
@@ -351,14 +358,18 @@ class StreamPage:
                                    "it")
         except StateKVError as failure:
             _discard(path)
-            error.show(self.service.public(str(failure)))
+            message = self.service.public(str(failure))
+            error.show(message if entry is None or entry is self.entry else
+                       f"{name} was not added to {entry.name}: {message}")
             return
         if entry is None:
             entry = await self.create(name, error)
             if entry is None:
                 _discard(path)
                 return
-        self.open(entry)
+            self.open(entry)
+        elif entry is self.entry:
+            self.open(entry)
         asyncio.create_task(self.feed(entry, path, name, video, skip, size))
 
     async def feed(self, entry, path: Path, name: str, video, skip: int, size: int) -> None:
