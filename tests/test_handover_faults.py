@@ -143,3 +143,33 @@ def test_a_handover_the_disk_refuses_before_it_is_marked_goes_on_later(checkpoin
     with Stream.load(folder, qa) as resumed:
         assert resumed.frames == 40 and resumed.frames_lost == 0 and resumed.handover == "handed over"
         assert fingerprint(resumed.prefill) == cache_layout
+
+
+def test_memory_short_again_once_the_backlog_grew_drops_the_successor(checkpoint, monkeypatch):
+    """Before: memory short at every replayed step put the replay off at every push for good, the successor kept
+    beside the stream and its backlog growing by a step a push without bound; now memory short again at a later
+    push's replay drops it, as before memory faults were put off (a quiet catch_up between pushes is not one)."""
+    from statekv.steps.jobs import ReplayPutOff
+
+    stream = pushed(loaded(checkpoint), FRAMES[:3])
+    decoder = stream.prefill.decoder
+    forward = decoder.forward
+
+    def short(*args, **kwargs):
+        if stream.successor is not None and kwargs.get("past_key_values") is stream.successor.cache:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(decoder, "forward", short)
+    pushes = iter(FRAMES[3:])
+    while not stream.handover_due:
+        stream.push(next(pushes))
+    assert stream.handover == "beside" and stream.backlog.steps  # put off once
+    with pytest.raises(ReplayPutOff, match="out of memory"):
+        stream.catch_up()  # no step streamed since: still put off
+    assert stream.handover == "beside"
+    stream.push(next(pushes))
+    assert stream.handover.startswith("alone: ") and "out of memory" in stream.handover
+    assert not stream.backlog.steps and stream.successor is None
+    for frame in pushes:
+        stream.push(frame)
+    stream.close()

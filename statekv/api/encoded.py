@@ -29,8 +29,8 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import (CATCH_UP_SHARE, PASSING_FAULTS, Backlog, cannot_place, handing_over, held_at_handover,
-                       over_cap, own_engine, successor_engine, why_alone)
+from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover,
+                       over_cap, own_engine, passing, successor_engine, why_alone)
 from .retrieved import fit_in_frames
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HandoverError, InputError, OutputError, StateKVError
@@ -310,9 +310,9 @@ class EncodedVideo:
     def replayed(self, outcome: Any) -> bool:
         """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; refused by the successor's
         disk tier (a full disk) or out of memory (the step not taken, the successor as it was), it stays there, for
-        a later replay (True: put off); any other error, which the same step would meet again, drops the
-        successor."""
-        if isinstance(outcome, PASSING_FAULTS) and self.successor is not None and not self.successor.closed:
+        a later replay (True: put off; memory short again after a step streamed is not, `passing`); any other
+        error, which the same step would meet again, drops the successor."""
+        if self.successor is not None and not self.successor.closed and passing(outcome, self.backlog):
             return True
         if isinstance(outcome, Exception):
             self.drop_successor(f"the successor's step failed ({outcome})")

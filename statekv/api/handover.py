@@ -53,8 +53,21 @@ CATCH_UP_SHARE = 0.5  # of the model's range: past it, quiet moments replay a st
 OWN_LAYOUT = OwnThenCache.name  # the stream's engine while it fits the range
 SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once past the range
 # what a replayed step may meet once and not the next time (the disk tier refusing it or its backlog file unreadable
-# for a moment, memory short): the replay is put off, the successor kept (`EncodedVideo.replayed`)
+# for a moment, memory short): the replay is put off, the successor kept (`EncodedVideo.replayed`, `passing`)
 PASSING_FAULTS = (OutputError, torch.OutOfMemoryError, MemoryError)
+
+
+def passing(fault: BaseException, backlog: "Backlog") -> bool:
+    """Whether ``fault``, met by ``backlog``'s first step as it was replayed, puts the replay off (`PASSING_FAULTS`):
+    memory short again once the backlog grew since it first fell short (a step streamed, its replay still short)
+    does not, or a memory short for good would keep the successor and its growing backlog beside the stream."""
+    if not isinstance(fault, PASSING_FAULTS):
+        return False
+    if isinstance(fault, OutputError):
+        return True
+    if backlog.short_at is None:
+        backlog.short_at = len(backlog.steps)
+    return len(backlog.steps) <= backlog.short_at
 
 
 def handing_over(engine: EngineSettings) -> bool:
@@ -203,6 +216,7 @@ class Backlog:
         self.steps: deque[torch.Tensor | StoredStep] = deque()
         self.records: deque[dict | None] = deque()
         self.nbytes = 0
+        self.short_at: int | None = None  # the steps it held when memory fell short for its replay (`passing`)
 
     def add(self, inputs_embeds: torch.Tensor | StoredStep, record: dict | None = None) -> None:
         """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
@@ -225,6 +239,7 @@ class Backlog:
         """The first step was replayed: it leaves the backlog."""
         self.nbytes -= self.steps.popleft().nbytes
         self.records.popleft()
+        self.short_at = None
 
     @property
     def spans(self) -> list[int]:
