@@ -173,3 +173,24 @@ def test_memory_short_again_once_the_backlog_grew_drops_the_successor(checkpoint
     for frame in pushes:
         stream.push(frame)
     stream.close()
+
+
+def test_memory_short_reading_a_backlog_step_puts_the_replay_off(checkpoint, monkeypatch, cache_layout):
+    """Before: memory short as the backlog's step was read back or moved to the model's device (not in the step
+    itself) escaped the replay: the push whose frame was streamed raised it, as if its frame were not taken."""
+    from statekv.api.handover import Backlog
+
+    stream = pushed(loaded(checkpoint), FRAMES[:3])
+    real, failed = Backlog.first, []
+
+    def short_once(backlog):
+        if not failed and stream.handover_due:
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(backlog)
+    monkeypatch.setattr(Backlog, "first", short_once)
+    for frame in FRAMES[3:]:
+        stream.push(frame)
+    assert failed and stream.frames == 40 and stream.handover == "handed over"
+    assert fingerprint(stream.prefill) == cache_layout
+    stream.close()

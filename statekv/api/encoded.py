@@ -293,19 +293,19 @@ class EncodedVideo:
         return self.successor is not None and self.prefill.positions.moved
 
     def replay_request(self) -> StepRequest | None:
-        """The successor's next step to replay (the backlog's first), or None when there is none. An `OutputError`
-        when its backlog file cannot be read now (put off); one not holding the step as journaled drops it."""
+        """The successor's next step to replay (the backlog's first), or None when there is none. Raises what
+        reading it met (an `OutputError`: its backlog file unreadable now; memory short), for `replayed` to book; a
+        file not holding the step as journaled drops the successor."""
         if self.successor is None or not self.backlog.steps:
             return None
         try:
-            inputs_embeds = self.backlog.first()
+            inputs_embeds = self.backlog.first().to(self._device)
         except OutputError:
             raise
         except StateKVError as error:  # read back from the disk tier's backlog file: damaged
             self.drop_successor(f"its backlog cannot be replayed ({error})")
             return None
-        return StepRequest(self.successor, inputs_embeds.to(self._device), None,
-                           durable_record=self.backlog.records[0])
+        return StepRequest(self.successor, inputs_embeds, None, durable_record=self.backlog.records[0])
 
     def replayed(self, outcome: Any) -> bool:
         """Book the outcome of `replay_request`'s step: replayed, it leaves the backlog; refused by the successor's

@@ -244,8 +244,9 @@ def replay_backlogs(videos: Sequence[Any], batcher: StepBatcher,
         for video in replaying:
             try:
                 request = video.replay_request()
-            except OutputError as error:  # its backlog file unreadable now: put off, as a refused step is
-                refused[id(video)] = error
+            except Exception as error:  # its backlog unreadable now or memory short: put off as a refused step is
+                if video.replayed(error):
+                    refused[id(video)] = error
                 continue
             if request is not None:
                 requests.append((video, request))
