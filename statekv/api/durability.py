@@ -13,12 +13,15 @@ backlog a resumed stream rebuilds its successor from) and the handover of the fo
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core.disk.compaction import JournalSteps
 from ..core.disk.files import (FILE_SET, check_file_set, check_plain_files, hold, read_checked, read_file_set,
                                read_manifest)
 from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
@@ -349,7 +352,7 @@ class Durability:
             self.pushed(frame)
 
 
-def resume_kept(stream: Any, kept: tuple[Path, str, int, Any], steps: list[dict[str, Any]]) -> Any:
+def resume_kept(stream: Any, kept: tuple[Path, str, int, Any], steps: JournalSteps) -> Any:
     """The successor ``stream`` kept at its close (`statekv.core.disk.successor.kept_successor`: its folder, file
     set, steps and lock) resumed in place of the new one, and the steps it replayed gone from the backlog, if its
     file set resumes as it was journaled (its steps the first of the stream's ``steps``); returns its lock when it
@@ -359,7 +362,7 @@ def resume_kept(stream: Any, kept: tuple[Path, str, int, Any], steps: list[dict[
     try:
         journal = read_file_set(path)
         if journal.manifest.get(FILE_SET) != file_set or len(journal.steps) != count or count > len(steps) or any(
-                mine["tokens"] != its["tokens"] for mine, its in zip(journal.steps, steps)):
+                map(operator.ne, journal.steps.tokens, islice(steps.tokens, count))):
             log.warning("%s: its successor's files in %s are not the %d steps its close named; it replays its "
                         "backlog again", stream.name, path, count)
             return lock
@@ -430,7 +433,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         check_against_model(folder, {"horizon": setup["horizon"], "horizon_frames": setup["horizon_frames"],
                                      "engine": setup["engine"], "max_fps": setup["max_fps"],
                                      "prefix_tokens": setup["prefix_tokens"],
-                                     "cache": {"chunk_lengths": [r["tokens"] for r in journal.steps]},
+                                     "cache": {"chunk_lengths": journal.steps.tokens},
                                      "state": {"frames": last["state"].get("frames")}}, qa.adapter)
         tier = DiskTier(folder, journal.manifest, lock)
     except BaseException:
@@ -466,7 +469,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         elif stream.successor is not None and (BACKLOG not in last or not (folder / BACKLOG_FILE).is_file()):
             stream.drop_successor("it had no successor when it stopped", warn=False)  # or predates them
         elif stream.successor is not None:  # rebuilt from the backlog: it replays every step again
-            why = stream.durability.restore_backlog(stream.backlog, journal.steps,
+            why = stream.durability.restore_backlog(stream.backlog, journal.steps.through_first_folded(),
                                                     stream.adapter.language_embeddings.weight)
             if why is not None:
                 stream.drop_successor(why)
@@ -484,14 +487,15 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
             kept_lock.release()
         stream.close()
         raise
-    stream.step_frames = [int(record.get("frames", 0)) for record in journal.steps]
+    stream.step_frames = journal.steps.frames
     engine = stream.prefill.stats
     stream.stats = EncodingStats(frames=stream.state.frames, tokens=engine.tokens, chunks=engine.steps,
                                  carried_tokens=engine.max_carried_tokens, cache_bytes=engine.detailed_bytes,
-                                 evicted_frames=sum(stream.step_frames[s] for s in set(journal.evicted)))
-    framed = [record["last_frame"] for record in journal.steps if isinstance(record.get("last_frame"), list)]
+                                 evicted_frames=sum(journal.steps.frames.total(start, end)
+                                                    for start, end in journal.evicted.runs()))
+    framed = journal.steps.last_frame()
     if framed:
-        index, timestamp = framed[-1]
+        index, timestamp = framed
         stream.pushed, stream.last_timestamp = int(index) + 1, float(timestamp)
         stream.kept_timestamp = stream.encoded_timestamp = stream.last_timestamp
         stream.encoded_pushed = stream.pushed

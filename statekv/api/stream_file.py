@@ -61,6 +61,7 @@ from .step_lists import compacted, expanded
 from ..errors import InputError, OtherSetupError, OutputError
 from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
+from ..core.storage.step_values import StepValues
 from ..models import LayoutState
 from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_int, check_output_file, is_finite_number, printable
 from ..video.sampling import tick
@@ -361,22 +362,21 @@ def check_against_model(path: str | os.PathLike, metadata: dict[str, Any], adapt
     if metadata["prefix_tokens"] != expected_prefix:
         raise InputError(f"{where}: malformed stream metadata: prefix_tokens is {metadata['prefix_tokens']}, this "
                          f"model's prompt prefix is {expected_prefix} tokens")
-    lengths = list(metadata["cache"]["chunk_lengths"])
+    lengths, skip = metadata["cache"]["chunk_lengths"], int(bool(expected_prefix))  # a disk tier's: `StepValues`
     if expected_prefix:
         if not lengths or lengths[0] != expected_prefix:
             raise InputError(f"{where}: malformed stream metadata: the first step must be the {expected_prefix}-token "
-                             f"prompt prefix, got {lengths[:1]}")
-        lengths = lengths[1:]
+                             f"prompt prefix, got {list(lengths[:1])}")
         if 0 in metadata["cache"].get("evicted_steps", ()):
             raise InputError(f"{where}: malformed stream metadata: the cache's evicted_steps list the prompt prefix "
                              "(step 0), which a cache limit never evicts")
     longest = adapter.max_video_tokens(frames_per_step if horizon_frames is not None else max(frames, frames_per_step))
-    for number, length in enumerate(lengths):
-        if not 1 <= length <= longest:
+    for number, length in enumerate(() if StepValues(lengths).within(1, longest, skip) else lengths[skip:]):
+        if not 1 <= length <= longest:  # (runs checked by their ends first: a resumed disk tier's are never unfolded)
             raise InputError(f"{where}: malformed stream metadata: step {number} holds {length} tokens; a step of "
                              f"this model holds 1 to {longest}")
-    if len(lengths) != math.ceil(frames / frames_per_step):
-        raise InputError(f"{where}: malformed stream metadata: {len(lengths)} frame steps for {frames} frames "
+    if len(lengths) - skip != math.ceil(frames / frames_per_step):
+        raise InputError(f"{where}: malformed stream metadata: {len(lengths) - skip} frame steps for {frames} frames "
                          f"({frames_per_step} per step)")
 
 

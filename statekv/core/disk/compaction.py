@@ -18,6 +18,8 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
+from ..storage.step_values import StepValues
+
 COMPACTED = "compacted"  # a record's field: the steps it stands for, as runs
 BACKLOG = "backlog"  # a step record's field: ``[offset, bytes, crc]`` of its embeddings in the backlog file, which a
 # successor replays (`statekv.core.disk.successor`): such a record is kept whole
@@ -247,3 +249,96 @@ def folded_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
             raise ValueError("its last frame names no step of it")
         records[at]["last_frame"] = named[1]
     return records
+
+
+class JournalSteps(Sequence):
+    """A journal's steps in order, as `statekv.core.disk.files.read_file_set` reads them: the records of the steps
+    written whole (`held`), and what a resume reads of every step (`tokens`, `frames`, `placements`) as runs, so
+    that the steps ``compacted`` records stand for, however many, are never one entry each.
+
+    A sequence of step records (``len``, indexing, iteration): a compacted step's is the one `folded_steps` makes
+    of it, made when asked for."""
+
+    def __init__(self):
+        self.tokens, self.frames = StepValues(), StepValues()
+        self.placed: list[StepValues] | None = [StepValues(), StepValues(), StepValues()]  # None: a step has none
+        self._held: dict[int, dict[str, Any]] = {}  # the records written whole, by step
+        self._named: dict[int, Any] = {}  # the last frames compacted records name, by step
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[at] for at in range(*index.indices(len(self)))]
+        index = index + len(self) if index < 0 else index
+        if not 0 <= index < len(self):
+            raise IndexError("step index out of range")
+        if index in self._held:
+            return self._held[index]
+        record: dict[str, Any] = {"step": index, "tokens": self.tokens[index], "frames": self.frames[index]}
+        if self.placed is not None:
+            record[PLACED] = [part[index] for part in self.placed]
+        if index in self._named:
+            record["last_frame"] = self._named[index]
+        return record
+
+    def held(self) -> list[dict[str, Any]]:
+        """The records of the steps written whole (not compacted), in step order."""
+        return list(self._held.values())
+
+    def through_first_folded(self) -> list[dict[str, Any]]:
+        """The step records up to the first compacted step's (all of them when none is compacted)."""
+        records = []
+        for record in self._held.values():
+            if record["step"] != len(records):
+                break
+            records.append(record)
+        return records if len(records) == len(self) else [*records, self[len(records)]]
+
+    def last_frame(self) -> list | None:
+        """``[index, timestamp]`` of the last frame the last step that names one names (None if none does)."""
+        named = [(step, frame) for step, frame in self._named.items() if isinstance(frame, list)]
+        held = next(((step, record["last_frame"]) for step, record in reversed(self._held.items())
+                     if isinstance(record.get("last_frame"), list)), None)
+        return max([*named, *([held] if held else [])], key=lambda pair: pair[0], default=(0, None))[1]
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Append the step ``record`` (the next step), written whole; a `ValueError` if its numbers do not read."""
+        tokens, frames, placed = int(record["tokens"]), int(record.get("frames", 0)), record.get(PLACED)
+        self._held[len(self)] = record
+        self.tokens.append(tokens)
+        self.frames.append(frames)
+        self._place(*([part, 0, 1] for part in placed) if _three(placed) else ())
+
+    def name_frames(self, named: dict[int, Any]) -> None:
+        """The last frames compacted records name, by step (each among this sequence's compacted steps)."""
+        self._named = named
+
+    def fold(self, piece: list[int], count: int, named: Any = None) -> None:
+        """Append ``count`` steps of the piece ``[count, step, difference, tokens, difference, frames, difference,
+        (first, difference, span, difference, base, difference)]`` (`_pieces` of a checked ``compacted`` record),
+        the next steps."""
+        self.tokens.extend_run(piece[3], piece[4], count)
+        self.frames.extend_run(piece[5], piece[6], count)
+        self._place(*([piece[at], piece[at + 1], count] for at in (7, 9, 11)) if len(piece) == 13 else ())
+
+    def _place(self, *parts: list[int]) -> None:
+        if self.placed is not None and not parts:
+            self.placed = None
+        elif self.placed is not None:
+            for values, (first, difference, count) in zip(self.placed, parts):
+                values.extend_run(first, difference, count)
+
+
+def _three(placed: Any) -> bool:
+    return isinstance(placed, list) and len(placed) == 3 and all(type(value) is int for value in placed)
+
+
+def record_pieces(record: dict[str, Any]) -> tuple[list[list[int]], dict[int, Any]]:
+    """The pieces (`_pieces`: ``[count, step, difference, ...]``, ascending) of the steps, tokens, frames and (if
+    it holds them) placements of a ``compacted`` record checked by `merged_record`, and the last frame it names
+    by step."""
+    fields = [record[name] for name in (COMPACTED, "tokens", "frames")] + list(record.get(PLACED, []))
+    named = record.get("last_frame")
+    return _pieces(fields), {} if named is None else {named[0]: named[1]}

@@ -20,7 +20,9 @@ from typing import Any
 from ...errors import ForeignFilesError, InputError
 from ...flushing import write_whole
 from ...locks import FolderLock
-from .compaction import BACKLOG, COMPACTED, compacted_record, folded_steps, joined_record, last_step, merged_record
+from ..cache.step_runs import StepRuns
+from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
+                         merged_record, record_pieces)
 
 FORMAT = "statekv-disk-cache"
 # 4: its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its files not bound to each other
@@ -43,8 +45,8 @@ class Journaled:
     records written after the checkpoint that are not steps (e.g. frames pushed but not streamed durably)."""
 
     manifest: dict[str, Any]
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
+    steps: JournalSteps = field(default_factory=JournalSteps)
+    evicted: StepRuns = field(default_factory=StepRuns)
     after: list[dict[str, Any]] = field(default_factory=list)
     end: int = 0  # byte offset of the journal just after the checkpoint's record and the records it counts
     carry: dict[str, Any] | None = None
@@ -137,17 +139,17 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         data = (folder / JOURNAL).read_bytes()
     except OSError:
         raise InputError(f"{folder}: the disk cache has no journal") from None
-    steps, records, offset = [], [], 0  # records: (end offset, record) of everything but steps
-    folded: dict[int, dict[str, Any]] = {}  # the compacted steps not yet reached, by step
-    compacted: list[int] = []
+    records, offset = [], 0  # records: (end offset, record) of everything but steps
+    held: list[dict[str, Any]] = []  # the steps' records, in order
+    compacted: list[dict[str, Any]] = []  # the compacted records, checked
     lines = data.split(b"\n")
     header = _record(lines[0]) if len(lines) > 1 else None
-    named = header is not None and set(header) == {FILE_SET}  # format 2: only where an upgrade was cut short
-    if not named and not format_2:
+    named_set = header is not None and set(header) == {FILE_SET}  # format 2: only where an upgrade was cut short
+    if not named_set and not format_2:
         raise InputError(f"{folder}: the disk cache's journal is damaged: its first record does not name its file set")
     if not format_2:
         check_file_set(folder, JOURNAL, header, manifest[FILE_SET])
-    first = 1 if named else 0
+    first = 1 if named_set else 0
     offset = sum(len(line) + 1 for line in lines[:first])
     for number, line in enumerate(lines[first:], start=first):
         last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
@@ -159,48 +161,96 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         offset += len(line) + 1
         if COMPACTED in record:
             try:
-                for step in folded_steps(record):
-                    folded[step["step"]] = step
-                    compacted.append(step["step"])
-            except (ValueError, MemoryError) as error:
+                compacted.append(merged_record([record]))  # checked, without unfolding a step
+            except (ValueError, TypeError) as error:
                 raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}: its compacted "
                                  f"steps do not read ({str(error) or 'too many'})") from None
+            if compacted[-1][COMPACTED] and held and compacted[-1][COMPACTED][0][0] <= held[-1]["step"]:
+                raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps skip step "
+                                 f"{held[-1]['step'] + 1}")
         if "step" in record:
-            while len(steps) in folded:
-                steps.append(folded.pop(len(steps)))
-            if record["step"] != len(steps):
-                raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after "
-                                 f"{len(steps)} steps")
-            steps.append(record)
+            if not isinstance(record["step"], int) or held and not record["step"] > held[-1]["step"]:
+                raise InputError(f"{folder}: the disk cache's journal is damaged: step {str(record['step'])[:20]} "
+                                 "out of order")
+            held.append(record)
         records.append((offset, record))
-    while len(steps) in folded:
-        steps.append(folded.pop(len(steps)))
-    if folded:
-        raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps skip step {len(steps)}")
-    journal = Journaled(manifest)
-    if latest:
-        journal.steps = steps
-        journal.evicted.extend(step for step in compacted if step < len(steps))
-        for record in (record for _, record in records if "evict" in record):
-            journal.evicted.extend(int(s) for s in record["evict"] if int(s) < len(steps))
-        return journal
-    checkpoint = _last_checkpoint(records, len(steps))
+    try:
+        pieces, named = record_pieces(merged_record(compacted) if len(compacted) > 1 else
+                                      compacted[0] if compacted else {COMPACTED: [], "tokens": [], "frames": []})
+    except ValueError as error:
+        raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps do not read "
+                         f"({error})") from None
+    count = len(held) + sum(piece[0] for piece in pieces)
+    checkpoint = None if latest else _last_checkpoint(records, count)
     while checkpoint is not None and len(records) - 1 - checkpoint < _followers(records[checkpoint][1]):
         records = records[:checkpoint]  # its write was torn by a kill: the checkpoint before vouches, with its own
-        checkpoint = _last_checkpoint(records, len(steps))
+        checkpoint = _last_checkpoint(records, count)
+    upto = count if latest else 0 if checkpoint is None else records[checkpoint][1]["carry"] + 1
+    steps = _steps(folder, held, pieces, named, upto)
+    journal = Journaled(manifest, steps=steps)
+    journal.evicted = StepRuns.from_runs(  # the compacted steps: evicted before any checkpoint
+        run for count, step, difference, *_ in pieces
+        for run in ([(step, min(step + count, upto))] if count == 1 or difference == 1 else
+                    ((at, at + 1) for at in range(step, min(step + difference * (count - 1) + 1, upto), difference))))
+    if latest:
+        for record in (record for _, record in records if "evict" in record):
+            for step in (int(s) for s in record["evict"] if int(s) < len(steps)):
+                journal.evicted.add(step)
+        return journal
     if checkpoint is None:
-        return journal if not steps else _no_checkpoint(folder)
+        return journal if not count else _no_checkpoint(folder)
     journal.carry = records[checkpoint][1]
     journal.end = records[checkpoint + _followers(journal.carry)][0]  # cut before them, it would read as torn
-    journal.steps = steps[: journal.carry["carry"] + 1]
-    journal.evicted.extend(step for step in compacted if step < len(journal.steps))  # written before any checkpoint
     for index, (_, record) in enumerate(records):
         if "evict" in record:
-            evicted = [int(s) for s in record["evict"] if int(s) < len(journal.steps)]
-            (journal.evicted if index < checkpoint else journal.later_evictions).extend(evicted)
+            evicted = [int(s) for s in record["evict"] if int(s) < len(steps)]
+            for step in evicted if index < checkpoint else ():
+                journal.evicted.add(step)
+            if index > checkpoint:
+                journal.later_evictions.extend(evicted)
         elif index > checkpoint and "step" not in record and "carry" not in record and COMPACTED not in record:
             journal.after.append(record)
     return journal
+
+
+def _steps(folder: Path, held: list[dict[str, Any]], pieces: list[list[int]], named: dict[int, Any],
+           upto: int) -> JournalSteps:
+    """The first ``upto`` of the steps the records ``held`` and the compacted ``pieces`` (`record_pieces`,
+    ascending) stand for; a one-line `InputError` unless together they are steps 0, 1, ... each once. Costs what
+    they hold (a piece of consecutive steps is taken whole), not how many steps they stand for."""
+    steps, at, index, pieces = JournalSteps(), 0, 0, list(pieces)  # the next step, the piece reached
+    for record in [*held, None]:
+        while index < len(pieces) and pieces[index][1] == at and (record is None or at < record["step"]):
+            piece = pieces[index]
+            take = piece[0] if piece[2] == 1 else 1  # consecutive steps at once, others one at a time
+            if at < upto:
+                steps.fold(piece, min(take, upto - at))
+            at += take
+            if take == piece[0]:
+                index += 1
+            else:
+                pieces[index] = _advanced(piece, take)
+        if record is None:
+            if index < len(pieces):
+                raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps skip step {at}")
+            break
+        if record["step"] != at:
+            raise InputError(f"{folder}: the disk cache's journal is damaged: step {record['step']} after {at} steps")
+        if at < upto:
+            try:
+                steps.add(record)
+            except (KeyError, TypeError, ValueError):
+                raise InputError(f"{folder}: the disk cache's journal is damaged: step {at}'s record does not "
+                                 "read") from None
+        at += 1
+    steps.name_frames({step: frame for step, frame in named.items() if step < upto})
+    return steps
+
+
+def _advanced(piece: list[int], taken: int) -> list[int]:
+    """The piece (`record_pieces`) less its first ``taken`` steps."""
+    return [piece[0] - taken, *(v for first, change in zip(piece[1::2], piece[2::2])
+                                for v in (first + change * taken, change))]
 
 
 def _last_checkpoint(records: list[tuple[int, dict[str, Any]]], steps: int) -> int | None:

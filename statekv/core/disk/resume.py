@@ -12,9 +12,8 @@ import torch
 
 from ...errors import InputError
 from ..cache import persistence
-from ..cache.step_runs import StepRuns
 from .buffers import rows_crc, rows_of
-from .compaction import BACKLOG
+from .compaction import BACKLOG, JournalSteps
 from .files import Journaled, check_file_set, read_checked
 from .tier import DiskTier
 
@@ -34,7 +33,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     step was checkpointed by the caller, followed by records of its own: a handover's pending frames)."""
     where, steps = tier.folder, journal.steps
     last = steps[-1]
-    lengths = [int(record["tokens"]) for record in steps]
+    lengths = steps.tokens  # as runs: a stream that evicted for weeks is not walked step by step
     sizes = last.get("lengths")
     if not isinstance(sizes, dict) or len(tier.buffers) != len(cache.layers):
         raise InputError(f"{where}: the disk cache's journal is damaged: its last step lacks its files' lengths")
@@ -57,20 +56,24 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None
-    evicted = set(journal.evicted) | set(journal.later_evictions)
+    evicted = journal.evicted.copy()
+    for step in journal.later_evictions:
+        evicted.add(step)
     per_segment = cache.layers[0].storage.segment_steps
-    start = 0
-    for record, length in zip(steps, lengths):
-        if verify and record["step"] not in evicted:
+    start, at = 0, 0  # the first token of step ``at``
+    for record in steps.held():  # a compacted step is evicted: its rows are punched, nothing to check
+        start, at = start + lengths.total(at, record["step"]), record["step"]
+        length = lengths[at]
+        if verify and at not in evicted:
             crc = 0
             for layer in range(len(tier.buffers)):
                 for name, buffer in tier.layer_files(layer):
-                    rows = rows_of(name, record["step"], start, length, per_segment)
+                    rows = rows_of(name, at, start, length, per_segment)
                     crc = zlib.crc32((rows_crc(buffer, *rows) if rows else 0).to_bytes(4, "little"), crc)
             if crc != record["crc"]:
-                raise InputError(f"{where}: the disk cache is damaged: step {record['step']}'s data does not match "
-                                 "its checksum")
-        start += length
+                raise InputError(f"{where}: the disk cache is damaged: step {at}'s data does not match its checksum")
+        start, at = start + length, at + 1
+    start += lengths.total(at)
     restoring, tally = carried is not None, None
     if not restoring:
         carried, tally = _carried_slot(where, journal.carry, len(cache.layers), start, len(steps))
@@ -91,9 +94,9 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
                 tensors["block_keys" if name == "step_means" else name] = views[0]
         persistence.restore_layer(layer, tensors, None, lengths, device)
     cache.shared_ring.reset()
-    cache.chunk_lengths = list(lengths)
-    cache.seen_tokens = sum(lengths)
-    cache.evicted_steps = StepRuns(evicted)
+    cache.chunk_lengths = lengths
+    cache.seen_tokens = start
+    cache.evicted_steps = evicted
     if cache.tally is not None and tally is not None:
         cache.tally.restore(*tally, len(steps))
     elif cache.tally is not None and restoring:  # the step the disk could not take: its mass goes with it
@@ -109,8 +112,8 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             tier.truncate_journal(journal.end)
             if journal.later_evictions:  # their rows are punched: they stay evicted
                 tier.append({"evict": sorted(set(journal.later_evictions))})
-    whole = [record["step"] for record in steps if "crc" in record and BACKLOG not in record]  # foldable
-    tier.replayed = {record["step"] for record in steps if BACKLOG in record}
+    whole = [record["step"] for record in steps.held() if "crc" in record and BACKLOG not in record]  # foldable
+    tier.replayed = {record["step"] for record in steps.held() if BACKLOG in record}
     tier.evicted_records = sum(step in evicted for step in whole)
     tier.held_records = len(whole) - tier.evicted_records
 
@@ -131,18 +134,18 @@ def check_checkpoint(folder: Path, journal: Journaled) -> None:
     layers = (journal.manifest.get("geometry") or {}).get("layers")
     if not isinstance(layers, int) or layers < 1:
         raise InputError(f"{folder}: the disk cache's manifest does not say how many layers it holds")
-    _carried_slot(folder, journal.carry, layers, sum(int(record["tokens"]) for record in journal.steps),
-                  len(journal.steps))
+    _carried_slot(folder, journal.carry, layers, journal.steps.tokens.total(), len(journal.steps))
 
 
-def _placements(where: Path, positions: Any, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """What `StreamPositions.load` takes, from the steps' records (each ``placed``: ``[first, span, base]``)."""
+def _placements(where: Path, positions: Any, steps: JournalSteps) -> dict[str, Any] | None:
+    """What `StreamPositions.load` takes, from the steps' records (each ``placed``: ``[first, span, base]``), as
+    its three columns of runs."""
     if not positions.bounded:
         return None
-    placed = [record.get("placed") for record in steps]
-    if not all(isinstance(p, list) for p in placed):
+    if steps.placed is None:
         raise InputError(f"{where}: the disk cache's journal lacks the bounded positions of its steps")
-    return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit, "steps": placed}
+    return {"mode": "bounded", "layout": positions.layout.name, "limit": positions.limit,
+            "steps": tuple(steps.placed)}
 
 
 def _carried_slot(where: Path, carry: dict[str, Any], layers: int, tokens: int, steps: int

@@ -33,7 +33,7 @@ from ...settings.values import check_int
 from .layouts import BOUNDED_LAYOUTS, DEFAULT_LAYOUT, BoundedLayout, bounded_layout
 from .rope import SettledRotary, rope_capacity
 from .rotation import Placer, place_carried
-from ..storage.step_values import StepValues
+from ..storage.step_values import StepValues, aligned_runs
 
 if TYPE_CHECKING:
     from ..cache.step_runs import StepRuns
@@ -381,17 +381,52 @@ class StreamPositions:
                              f"{saved.get('limit')}) are not this stream's ({self.layout.name}, range "
                              f"{self.limit}){hint}")
         placed = saved.get("steps")
+        if isinstance(placed, tuple) and len(placed) == 3 and all(isinstance(p, StepValues) for p in placed):
+            if not all(len(part) == steps for part in placed):
+                raise InputError(f"the saved stream's positions must list [first, span, base] for each of its "
+                                 f"{steps} steps")
+            self._load_runs(*placed, StepValues(lengths))
+            return
         if (not isinstance(placed, list) or len(placed) != steps
                 or not all(isinstance(p, list) and len(p) == 3 and all(type(v) is int for v in p) for p in placed)):
             raise InputError(f"the saved stream's positions must list [first, span, base] for each of its {steps} "
                              "steps")
         for number, (first, span, base) in enumerate(placed):
-            at = self.firsts[-1] + self.spans[-1] if number else 0  # each step follows the one before
-            if first != at or not 1 <= span <= lengths[number] or not 0 <= base <= self.limit - span:
-                raise InputError(f"the saved stream's positions place step {number} at [first {first}, span {span}, "
-                                 f"base {base}]: a step of {lengths[number]} tokens follows the one before (first "
-                                 f"{at}), spans 1 to its tokens, and is placed within the range of {self.limit}")
+            self._check_step(number, first, span, base, lengths[number])
             self.append(StepPlan(first, span, base))
+
+    def _check_step(self, number: int, first: int, span: int, base: int, length: int) -> None:
+        at = self.firsts[-1] + self.spans[-1] if number else 0  # each step follows the one before
+        if first != at or not 1 <= span <= length or not 0 <= base <= self.limit - span:
+            raise InputError(f"the saved stream's positions place step {number} at [first {first}, span {span}, "
+                             f"base {base}]: a step of {length} tokens follows the one before (first {at}), spans 1 "
+                             f"to its tokens, and is placed within the range of {self.limit}")
+
+    def _load_runs(self, firsts: StepValues, spans: StepValues, bases: StepValues, lengths: StepValues) -> None:
+        """`load` of placements as runs (a disk tier's journal): checked and appended a piece at a time where
+        every value of the piece is checked by its ends, as a step at a time would (its first failing step named)."""
+        number = 0
+        for count, ((first, df), (span, ds), (base, db), (length, dl)) in aligned_runs(firsts, spans, bases, lengths):
+            ends = [(first + df * j, span + ds * j, base + db * j, length + dl * j) for j in (0, count - 1)]
+            follows = count == 1 or df == span and (ds == 0 or count == 2)
+            if not follows or not all(1 <= s <= n and 0 <= b <= self.limit - s for _, s, b, n in ends) \
+                    or self.firsts and first != self.firsts[-1] + self.spans[-1] or not self.firsts and first:
+                for j in range(count):  # the step that fails, named as `load` names it
+                    self._check_step(number + j, first + df * j, span + ds * j, base + db * j, length + dl * j)
+                    self.append(StepPlan(first + df * j, span + ds * j, base + db * j))
+                number += count
+                continue
+            self.firsts.extend_run(first, df, count)
+            self.spans.extend_run(span, ds, count)
+            self.bases.extend_run(base, db, count)
+            if ds:
+                for j in range(count):
+                    self.span_totals.append(self.span_totals[-1] + span + ds * j)
+            else:
+                self.span_totals.extend_run(self.span_totals[-1] + span, span, count)
+            self.widest = max(self.widest, ends[0][1], ends[1][1])
+            self.moved = self.moved or any(b != f for f, _, b, _ in ends)
+            number += count
 
 
 def _temporal(position_ids: torch.Tensor) -> torch.Tensor:

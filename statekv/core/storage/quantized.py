@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from itertools import accumulate
+from itertools import accumulate, islice
 
 import torch
 
@@ -256,7 +256,7 @@ class QuantizedStorage(OffloadedStorage):
         for name in ("key_codes", "value_codes", "value_scales", "key_scales"):
             getattr(self, name).load(tensors[name].to(storage), released=released.get(name, ()))
         self._length = self.key_codes.length
-        self._starts = StepValues([0, *accumulate(steps)][: len(steps)])
+        self._starts = StepValues(islice(accumulate(steps, initial=0), len(steps)))  # not a list a step
         self._starts_tensor = None
         if "block_keys" in tensors:
             self.load_summaries(tensors, tensors["block_keys"], steps, storage, released)

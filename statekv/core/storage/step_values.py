@@ -60,6 +60,51 @@ class StepValues(Sequence):
         if len(runs.ends) > FEWEST_RUNS_DENSE and 4 * len(runs.ends) > runs.ends[-1]:
             self._dense, self._runs = array("q", self), None
 
+    def extend_run(self, first: int, difference: int, count: int) -> None:
+        """Append the ``count`` values ``first, first + difference, ...`` as many appends would fold them, in
+        O(1) once the run they make goes on (O(count) once dense): a compacted journal's runs read back whole."""
+        value = int(first)
+        while count > 0:
+            runs = self._runs
+            if runs is not None and len(runs.ends) and runs.differences[-1] == difference and \
+                    runs.ends[-1] - (runs.ends[-2] if len(runs.ends) > 1 else 0) > 1 and \
+                    runs.firsts[-1] + difference * (runs.ends[-1] - (runs.ends[-2] if len(runs.ends) > 1 else 0)) \
+                    == value:
+                runs.ends[-1] += count  # every value goes on the last run: no run is added, none turns it dense
+                return
+            if self._dense is not None:
+                self._dense.extend(range(value, value + difference * count, difference) if difference else
+                                   repeat(value, count))
+                return
+            self.append(value)
+            value, count = value + difference, count - 1
+
+    def total(self, start: int = 0, stop: int | None = None) -> int:
+        """The sum of the values ``start .. stop - 1`` (default: all), in O(runs) (O(stop - start) once dense)."""
+        stop = len(self) if stop is None else min(stop, len(self))
+        if stop <= start:
+            return 0
+        if self._dense is not None:
+            return sum(self._dense[start:stop])
+        runs, summed = self._runs, 0
+        run = bisect.bisect_right(runs.ends, start)
+        begin = runs.ends[run - 1] if run else 0
+        while begin < stop:
+            end, first, difference = runs.ends[run], runs.firsts[run], runs.differences[run]
+            count, low = min(stop, end) - max(start, begin), first + difference * (max(start, begin) - begin)
+            summed += count * low + difference * count * (count - 1) // 2
+            begin, run = end, run + 1
+        return summed
+
+    def within(self, low: int, high: int, start: int = 0) -> bool:
+        """Whether every value from ``start`` on is ``low`` to ``high``: each run checked by its ends (O(runs))."""
+        for first, difference, count in self.runs():
+            skipped, start = min(start, count), start - min(start, count)
+            first, count = first + difference * skipped, count - skipped
+            if count and not low <= first <= high or count and not low <= first + difference * (count - 1) <= high:
+                return False
+        return True
+
     def then(self, value: int) -> StepValues:
         """A copy with ``value`` appended (O(runs), or O(len) once dense): the steps so far and the one being
         run."""
@@ -208,3 +253,18 @@ def _long(values: array) -> torch.Tensor:
     if not values:
         return torch.zeros(0, dtype=torch.long)
     return torch.frombuffer(bytearray(values), dtype=torch.long)
+
+
+def aligned_runs(*lists: StepValues) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """The values of ``lists`` (as long as each other) a piece at a time, cut where a run of any ends: ``(count,
+    [(first, difference), ...])``, each list arithmetic over the piece; as many pieces as their runs together."""
+    runs = [values.runs() for values in lists]
+    at, taken = [0] * len(runs), [0] * len(runs)
+    while runs and at[0] < len(runs[0]):
+        count = min(held[index][2] - took for held, index, took in zip(runs, at, taken))
+        yield count, [(held[index][0] + held[index][1] * took, held[index][1])
+                      for held, index, took in zip(runs, at, taken)]
+        for k, held in enumerate(runs):
+            taken[k] += count
+            if taken[k] == held[at[k]][2]:
+                at[k], taken[k] = at[k] + 1, 0
