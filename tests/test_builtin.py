@@ -202,6 +202,11 @@ def test_a_whole_dense_batch_is_long_videos_from_their_first_frame_at_their_own_
     assert torch.equal(batch.video_ids, maker.video_ids(frames)) and torch.equal(batch.still_ids, expected.still_ids)
     assert torch.equal(batch.frame_targets, expected.frame_targets) and set(batch.families) == set(expected.families)
     assert drawn.bit_generator.state == replayed.bit_generator.state
+    unquartered = dense_batch(LongRange(dense_share=1.0, dense_frames=(20, 40), dense_videos=2, dense_whole=True,
+                                        dense_quarters=False), maker, np.random.default_rng(6))
+    assert (unquartered.frame_targets[:, :, 1, 1] == UNTRAINED).all()  # a frame cannot tell its video's length
+    quarters = batch.frame_targets[:, :, 1, 1] != UNTRAINED
+    assert quarters.any() and torch.equal(unquartered.frame_targets[..., 0], batch.frame_targets[..., 0])
 
 
 def test_the_lean_forward_reads_the_targets_the_eager_forward_reads():
@@ -308,7 +313,7 @@ def test_a_training_run_resumes_from_a_checkpoint_written_before_a_recipe_field_
                     checkpoint_every=1, long_range=LongRange(steps=0))  # the smallest run with a step to resume
     train(recipe, tmp_path, stop_after=1)
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
-    for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole"):
+    for name in ("dense_share", "dense_frames", "dense_videos", "dense_whole", "dense_quarters"):
         del state["recipe"]["long_range"][name]
     torch.save(state, tmp_path / STATE_FILE)
     assert train(recipe, tmp_path).is_dir()

@@ -51,7 +51,8 @@ class LongRange:
     ``steps``. seed: the phase's training seed (in `TRAINING_SEEDS`), step ``i`` drawing from
     ``training_rng(seed, i)``. dense_share: of the steps that are not the curriculum's, the share of dense batches
     (`dense_batch`, of ``dense_videos`` videos; 0, the shipped recipe's: none). dense_whole: a dense batch is
-    whole videos from their first frame instead (`whole_batch`)."""
+    whole videos from their first frame instead (`whole_batch`); dense_quarters: such a batch trains each frame's
+    quarter of its video (False: untrained, as a window's)."""
 
     steps: int = 600
     learning_rate: float = 5e-4
@@ -65,6 +66,7 @@ class LongRange:
     dense_frames: tuple[int, ...] = (384, 768)
     dense_videos: int = 2
     dense_whole: bool = False
+    dense_quarters: bool = True
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the phase's step ``step`` (0-based)."""
@@ -145,7 +147,10 @@ def whole_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, f
     """Videos of ``frames`` frames from their first, every token at its own position and attending to all before
     it, as the curriculum's are but longer (a one-shot forward of a long video: full attention inside the range);
     as many videos as make ``phase.dense_videos`` of the longest of ``phase.dense_frames``, every family asked."""
-    return maker.make(rng, max(1, phase.dense_videos * max(phase.dense_frames) // frames), frames)
+    batch = maker.make(rng, max(1, phase.dense_videos * max(phase.dense_frames) // frames), frames)
+    if not phase.dense_quarters:  # of videos of several lengths, a frame's quarter is not in what it attends to
+        batch.frame_targets[:, :, 1, 1] = UNTRAINED
+    return batch
 
 
 def grouped_positions(batch: Batch, maker: BatchMaker, earlier: int) -> torch.Tensor:
