@@ -283,6 +283,11 @@ class JournalSteps(Sequence):
             record["last_frame"] = self._named[index]
         return record
 
+    @property
+    def dense(self) -> bool:
+        """Whether one of its lists is held one value a step (too irregular for runs; `StepValues.dense`)."""
+        return any(values.dense for values in (self.tokens, self.frames, *(self.placed or ())))
+
     def held(self) -> list[dict[str, Any]]:
         """The records of the steps written whole (not compacted), in step order."""
         return list(self._held.values())

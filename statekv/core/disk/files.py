@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ...errors import ForeignFilesError, InputError
 from ...flushing import write_whole
 from ...locks import FolderLock
 from ..cache.step_runs import StepRuns
+from ..storage.memory import available_bytes
 from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
                          merged_record, record_pieces)
 
@@ -36,6 +39,12 @@ JOURNAL = "journal"
 FOLLOWED_BY = "followed_by"  # a checkpoint's record: the records written with it, after it (a kill may tear them)
 LOCK = "lock"  # held by the one stream living in the file set
 CHECKSUM = "checksum"  # the field of a description holding the SHA-256 of the others
+MOST_STEPS = 1 << 40  # the steps a journal may stand for (one ``compacted`` record's most, `compaction`)
+# Read back once too irregular for runs, a journal's steps take up to this much each (five lists of one integer a
+# step), so they may be as many as the memory available holds, at least `FEWEST_STEPS`: a forged ``compacted``
+# record of a few runs cannot exhaust it (as `statekv.api.step_lists` bounds a saved file's lists)
+STEP_BYTES = 64
+FEWEST_STEPS = 1 << 24
 
 
 @dataclass
@@ -181,6 +190,8 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps do not read "
                          f"({error})") from None
     count = len(held) + sum(piece[0] for piece in pieces)
+    if count > MOST_STEPS:
+        _too_many(folder, count)
     checkpoint = None if latest else _last_checkpoint(records, count)
     while checkpoint is not None and len(records) - 1 - checkpoint < _followers(records[checkpoint][1]):
         records = records[:checkpoint]  # its write was torn by a kill: the checkpoint before vouches, with its own
@@ -224,6 +235,10 @@ def _steps(folder: Path, held: list[dict[str, Any]], pieces: list[list[int]], na
             piece = pieces[index]
             take = piece[0] if piece[2] == 1 else 1  # consecutive steps at once, others one at a time
             if at < upto:
+                end = min(at + take, upto)  # held a step at a time, so many would fill the memory:
+                if steps.dense and end > FEWEST_STEPS and \
+                        end > (available_bytes(torch.device("cpu")) or 0) // STEP_BYTES:
+                    _too_many(folder, end)
                 steps.fold(piece, min(take, upto - at))
             at += take
             if take == piece[0]:
@@ -245,6 +260,11 @@ def _steps(folder: Path, held: list[dict[str, Any]], pieces: list[list[int]], na
         at += 1
     steps.name_frames({step: frame for step, frame in named.items() if step < upto})
     return steps
+
+
+def _too_many(folder: Path, count: int) -> None:
+    raise InputError(f"{folder}: the disk cache's journal is damaged: its compacted steps do not read (too many: "
+                     f"{count} steps)")
 
 
 def _advanced(piece: list[int], taken: int) -> list[int]:
