@@ -101,3 +101,20 @@ def test_a_saved_open_segment_resumes_exactly():
             take(resumed, k)
         assert same_bits(resumed.segments.index, whole.segments.index)
         assert same_bits(resumed.saved_segment(), whole.saved_segment())
+
+
+def test_a_state_saved_before_summaries_and_index_loads_with_its_step_lengths_as_runs():
+    """A resume gives the step lengths as runs (`StepValues`): recomputing the summaries and the segment index from
+    the keys (a state saved before they were kept) takes them as it takes a list. Before: a `TypeError`."""
+    from statekv.core.storage.step_values import StepValues
+
+    keys = step_keys(SEGMENT_STEPS + 2)
+    every = torch.cat(keys, 2)
+    loaded = []
+    for steps in ([k.shape[2] for k in keys], StepValues(k.shape[2] for k in keys)):
+        storage = LayerStorage(None, "cpu", lambda: None)
+        storage.load({"keys": every, "values": every}, steps, torch.device("cpu"))
+        loaded.append((storage.segments.index, storage.saved_segment(), storage.block_keys.view(0, len(keys))[0]))
+    rows, open_segment = direct(keys)
+    assert same_bits(loaded[1][0], rows) and same_bits(loaded[1][1], open_segment)
+    assert all(same_bits(a, b) for a, b in zip(*loaded))

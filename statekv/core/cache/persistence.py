@@ -9,7 +9,7 @@ slots when offloaded).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -117,7 +117,7 @@ def export_layer(layer: "StreamingLayer") -> tuple[dict[str, torch.Tensor], int 
 
 
 def restore_layer(layer: "StreamingLayer", tensors: dict[str, torch.Tensor], window_start: int | None,
-                  steps: list[int], device: torch.device) -> None:
+                  steps: Sequence[int], device: torch.device) -> None:
     """Install a state saved by :func:`export_layer` (``steps``: the token count of every step); the carried
     state goes to ``device`` (the model's)."""
     storage = layer.storage

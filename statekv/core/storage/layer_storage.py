@@ -352,7 +352,7 @@ class LayerStorage:
                  if self.segment_index.length else {"segment_index": self._index_view()})
         return {**index, "segment_partial": self.saved_segment()}
 
-    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
+    def load(self, tensors: dict[str, torch.Tensor], steps: Sequence[int], device: torch.device,
              released: Released = None) -> None:
         """Install what :meth:`export` saved (``steps``: every step's token count; summaries missing from older
         saves are recomputed from the keys; ``released``: by tensor name, the runs of released rows a tensor was
@@ -364,13 +364,13 @@ class LayerStorage:
         self.load_summaries(tensors, keys, steps, storage, released)
         self.load_segments(tensors, keys, steps, storage, released)
 
-    def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: list[int],
+    def load_summaries(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor, steps: Sequence[int],
                        storage: torch.device, released: Released = None) -> None:
         """Install saved step summaries (``block_keys``, ``step_samples``), recomputed from ``keys`` for a state
         saved before they were kept (a subclass's `load` calls it too)."""
         means, samples = tensors.get("block_keys"), tensors.get("step_samples")
         if (means is None or samples is None) and steps:  # saved before these were kept: recompute them
-            parts = [_summaries(part) for part in keys.split(steps, dim=2)]
+            parts = [_summaries(part) for part in keys.split(list(steps), dim=2)]  # runs, when resumed
             means = torch.cat([m for m, _ in parts], dim=2) if means is None else means
             samples = torch.cat([s for _, s in parts], dim=2) if samples is None else samples
         if means is None:
@@ -382,7 +382,7 @@ class LayerStorage:
         self.samples_like = samples[:, :, :1].new_empty(*samples.shape[:2], 1, samples.shape[-1])
         self.means_like = means[:, :, :1].new_empty(*means.shape[:2], 1, means.shape[-1])
 
-    def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: list[int],
+    def load_segments(self, tensors: dict[str, torch.Tensor], keys: torch.Tensor | None, steps: Sequence[int],
                        storage: torch.device, released: Released = None) -> None:
         """The segment index saved, or (saved before it was kept) recomputed from ``keys`` (all tokens' keys in
         the model's dtype, on any device; None: what `read_range` gives). The saved open segment is what
@@ -397,14 +397,14 @@ class LayerStorage:
         if not self.segment_index.length:  # an empty load leaves nothing to append to: room for the first row
             self.segment_index.reserve(partial.to(storage), 1)
 
-    def _segments_of(self, keys: torch.Tensor | None, steps: list[int]) -> tuple[torch.Tensor | None, ...]:
+    def _segments_of(self, keys: torch.Tensor | None, steps: Sequence[int]) -> tuple[torch.Tensor | None, ...]:
         """``(index, open segment)`` computed from every step's keys."""
         if not steps:
             return None, None
         if keys is None:
             keys = self.read_range(0, sum(steps))[0]
         rows, open_segment = [], None
-        for number, part in enumerate(keys.split(steps, dim=2)):
+        for number, part in enumerate(keys.split(list(steps), dim=2)):  # runs, when resumed
             chunk = torch.cat([part.amin(2, keepdim=True), part.amax(2, keepdim=True), part.sum(2, keepdim=True)], -1)
             if number % self.segment_steps == 0:
                 open_segment = chunk

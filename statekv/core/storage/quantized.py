@@ -14,7 +14,7 @@ step's own attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate, islice
 
 import torch
@@ -249,7 +249,7 @@ class QuantizedStorage(OffloadedStorage):
         tensors.update(self.export_segments())
         return tensors
 
-    def load(self, tensors: dict[str, torch.Tensor], steps: list[int], device: torch.device,
+    def load(self, tensors: dict[str, torch.Tensor], steps: Sequence[int], device: torch.device,
              released: Released = None) -> None:
         released = released or {}
         storage = self.key_codes.device or device
