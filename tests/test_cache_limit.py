@@ -307,8 +307,12 @@ def test_retrieval_never_ranks_a_segment_every_step_of_which_was_evicted():
                          evicted=frozenset(range(8, 12)), segments=index, segment_steps=per_segment)
     chosen = Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(seen, 1).tolist()
     assert chosen == [*range(24, 32), 32]  # the two best segments left (6 and 7), then the open one
-    kept = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
+    means = torch.zeros(1, 1, 33, 4)
+    kept = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, means, steps, 1.0,
                          evicted=frozenset(range(8, 11)), segments=index, segment_steps=per_segment)
+    # evicted in part: ranked by its held step's keys alone, here matched worse than segments 6 and 7's
+    assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(kept, 1).tolist() == [*range(24, 32), 32]
+    means[0, 0, 11] = 100.0  # its held step's keys matched best: the segment ranks first
     assert Retrieval(1, keep_tokens=4, rule=MeanKeyMatch()).candidates(kept, 1).tolist()[:4] == [8, 9, 10, 11]
     few = LayerQuestion(0, torch.ones(1, 1, 1, 4), None, torch.zeros(1, 1, 33, 4), steps, 1.0,
                         evicted=frozenset(range(1, 24)), segments=index, segment_steps=per_segment)
