@@ -6,7 +6,6 @@ lost."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 
@@ -15,10 +14,10 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core import StreamingPrefill
 from statekv.testing import make_tiny_checkpoint
 
 from conftest import random_frames
+from test_handover import fingerprint, pushed
 
 FRAMES = random_frames(40, seed=3, height=32, width=32)
 
@@ -37,22 +36,6 @@ def loaded(checkpoint, layout: str | None = None, **settings) -> statekv.VideoQA
 
 def on_disk(checkpoint, tmp_path) -> statekv.VideoQA:
     return loaded(checkpoint, offload="disk", offload_dir=str(tmp_path / "disk"))
-
-
-def pushed(qa: statekv.VideoQA, frames) -> Stream:
-    stream = qa.stream()
-    for frame in frames:
-        stream.push(frame)
-    return stream
-
-
-def fingerprint(prefill: StreamingPrefill) -> str:
-    tensors, metadata = prefill.state_dict()
-    digest = hashlib.sha256(repr(metadata.get("positions")).encode())
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
