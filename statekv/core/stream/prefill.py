@@ -461,6 +461,16 @@ class StreamingPrefill:
             raise QuestionTooLong(prompt_tokens, answer_tokens, room)
         return None
 
+    def steps_kept_whole(self, keep_tokens: int) -> int:
+        """How many of the first steps a question keeps at their own positions: those that begin within the first
+        ``keep_tokens`` tokens (the prompt prefix and sinks)."""
+        steps, start = 0, 0
+        for length in self.cache.chunk_lengths:
+            if start >= keep_tokens:
+                break
+            steps, start = steps + 1, start + length
+        return steps
+
     def question_plan(self, room: int, retrieve: Retrieval | None = None) -> QuestionPlan | None:
         """Under bounded positions, how a question whose prompt and answer take ``room`` tokens reads the stream:
         the whole detailed cache when it fits in the model's range (and ``retrieve`` is None), else retrieved
@@ -468,12 +478,7 @@ class StreamingPrefill:
         ``stream`` positions (the context is the whole cache, or what ``retrieve`` picks)."""
         if not self.positions.bounded:
             return None
-        keep = self.protect_tokens if retrieve is None else retrieve.keep_tokens
-        keep_steps, start = 0, 0
-        for length in self.cache.chunk_lengths:
-            if start >= keep:
-                break
-            keep_steps, start = keep_steps + 1, start + length
+        keep_steps = self.steps_kept_whole(self.protect_tokens if retrieve is None else retrieve.keep_tokens)
         held = None
         if retrieve is not None:  # the steps it chooses among: those after the ones it keeps whole
             first, end = 0, 0

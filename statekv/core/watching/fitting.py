@@ -60,11 +60,7 @@ def check_retrieval_fits(prefill, room: int, retrieval: Retrieval, least_span: i
     positions = prefill.positions
     if not positions.bounded or prefill.keeper is not None or positions.next_first + room > positions.limit:
         return
-    keep_steps, start = 0, 0  # as `StreamingPrefill.question_plan`: the steps it keeps whole, so far
-    for length in prefill.cache.chunk_lengths:
-        if start >= retrieval.keep_tokens:
-            break
-        keep_steps, start = keep_steps + 1, start + length
+    keep_steps = prefill.steps_kept_whole(retrieval.keep_tokens)  # so far
     widest = max(positions.widest, least_span, 1)
     fitting = (positions.limit - room - positions.keep_end(keep_steps)) // widest
     if 1 <= fitting < retrieval.steps:
