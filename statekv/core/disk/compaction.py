@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from ..storage.step_values import StepValues
+from ..storage.step_values import StepValues, aligned_runs
 
 COMPACTED = "compacted"  # a record's field: the steps it stands for, as runs
 BACKLOG = "backlog"  # a step record's field: ``[offset, bytes, crc]`` of its embeddings in the backlog file, which a
@@ -207,18 +207,7 @@ def _least(run: list[int]) -> int:
 def _pieces(fields: list[list[list[int]]]) -> list[list[int]]:
     """The runs ``fields`` (as many values each) cut where any of them is: ``[count, first, difference, ...]``
     each, every field arithmetic over the piece."""
-    pieces, at, taken = [], [0] * len(fields), [0] * len(fields)
-    while at[0] < len(fields[0]):
-        count = min(runs_[i][2] - t for runs_, i, t in zip(fields, at, taken))
-        piece = [count]
-        for k, runs_ in enumerate(fields):
-            first, difference, held = runs_[at[k]]
-            piece += [first + difference * taken[k], difference]
-            taken[k] += count
-            if taken[k] == held:
-                at[k], taken[k] = at[k] + 1, 0
-        pieces.append(piece)
-    return pieces
+    return [[count, *(value for pair in pairs for value in pair)] for count, pairs in aligned_runs(*fields)]
 
 
 def folded_steps(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -406,7 +406,8 @@ class StreamPositions:
         """`load` of placements as runs (a disk tier's journal): checked and appended a piece at a time where
         every value of the piece is checked by its ends, as a step at a time would (its first failing step named)."""
         number = 0
-        for count, ((first, df), (span, ds), (base, db), (length, dl)) in aligned_runs(firsts, spans, bases, lengths):
+        for count, ((first, df), (span, ds), (base, db), (length, dl)) in aligned_runs(
+                *(values.runs() for values in (firsts, spans, bases, lengths))):
             ends = [(first + df * j, span + ds * j, base + db * j, length + dl * j) for j in (0, count - 1)]
             follows = count == 1 or df == span and (ds == 0 or count == 2)
             if not follows or not all(1 <= s <= n and 0 <= b <= self.limit - s for _, s, b, n in ends) \

@@ -255,10 +255,10 @@ def _long(values: array) -> torch.Tensor:
     return torch.frombuffer(bytearray(values), dtype=torch.long)
 
 
-def aligned_runs(*lists: StepValues) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """The values of ``lists`` (as long as each other) a piece at a time, cut where a run of any ends: ``(count,
-    [(first, difference), ...])``, each list arithmetic over the piece; as many pieces as their runs together."""
-    runs = [values.runs() for values in lists]
+def aligned_runs(*runs: Sequence[Sequence[int]]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """The values of lists given as ``runs`` (each ``[first, difference, count]``, as `StepValues.runs`; the lists
+    as long as each other) a piece at a time, cut where a run of any ends: ``(count, [(first, difference), ...])``,
+    each list arithmetic over the piece; as many pieces as their runs together."""
     at, taken = [0] * len(runs), [0] * len(runs)
     while runs and at[0] < len(runs[0]):
         count = min(held[index][2] - took for held, index, took in zip(runs, at, taken))
