@@ -186,3 +186,38 @@ def test_the_frames_of_steps_are_read_from_the_running_totals():
         assert EncodedVideo.frames_of(video, steps) == expected
     assert EncodedVideo.frames_of(video, (1, 3, 4)) == (0, 1, 2, 3, 4, 5)
     assert EncodedVideo.frames_of(video, None) is None
+
+
+@pytest.mark.parametrize("shape", ["steady", "varied", "dense"])
+def test_running_totals_read_as_accumulate(shape):
+    rng = random.Random(1)
+    values = {"steady": [3] * 50 + [5] * 40 + [1, 2, 3, 4] + [7] * 9,
+              "varied": [rng.randrange(1, 9) for _ in range(30)],
+              "dense": [rng.randrange(1, 9) for _ in range(400)]}[shape]
+    held = StepValues(values)
+    assert held.running_totals() == list(accumulate(values, initial=0))
+    assert held.running_totals(7) == list(accumulate(values, initial=7))
+    assert StepValues().running_totals() == [0]
+
+
+def test_a_resumed_streams_step_starts_are_found_run_by_run(monkeypatch):
+    """Before: the first `step_of` (or `evicted_tokens`, `step_starts`) after a resume walked every step the
+    stream ever took (one `StepValues.append` a step: seconds for a stream weeks old); a steady stream's starts are
+    now made a run at a time."""
+    steps = 200_000
+    cache = statekv.core.TwoStateCache(1, statekv.Recency(frames=2))
+    lengths = StepValues([9, 4])
+    lengths.extend_run(6, 0, steps - 2)
+    cache.chunk_lengths = lengths
+    cache.seen_tokens = lengths.total()
+    appended = 0
+    append = StepValues.append
+
+    def counted(self, value):
+        nonlocal appended
+        appended += 1
+        append(self, value)
+    monkeypatch.setattr(StepValues, "append", counted)
+    assert cache.step_of(13) == (2, 13) and cache.step_of(cache.seen_tokens - 1) == (steps - 1, 13 + 6 * (steps - 3))
+    assert cache.evicted_tokens() == 0
+    assert appended < 10, appended  # before: 200_000

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from itertools import accumulate
 
 import torch
 from transformers import DynamicCache
@@ -291,7 +290,7 @@ class TwoStateCache(Cache):
     def _kept_starts(self) -> StepValues:
         starts = self._starts
         if starts is None or len(starts) != len(self.chunk_lengths) + 1:  # loaded, resumed, or stepped elsewise
-            starts = self._starts = StepValues(accumulate(self.chunk_lengths, initial=0))
+            starts = self._starts = self.chunk_lengths.running_totals()
             self._starts_held = torch.zeros(0, dtype=torch.long), 0
         return starts
 

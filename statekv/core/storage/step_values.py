@@ -186,6 +186,26 @@ class StepValues(Sequence):
         offsets = torch.arange(len(self)) - (ends - counts)[run]
         return _long(self._runs.firsts)[run] + _long(self._runs.differences)[run] * offsets
 
+    def running_totals(self, initial: int = 0) -> StepValues:
+        """The running totals from ``initial`` (``len + 1`` values: entry ``s`` is ``initial`` plus the values
+        before step ``s``), made a run at a time: a run of equal values is one run of totals, so a steady stream's
+        steps cost a few operations at any age (O(len) once dense, or where runs of two alternate)."""
+        made, total = StepValues([initial]), int(initial)
+        if self._dense is not None:
+            for value in self._dense:
+                total += value
+                made.append(total)
+            return made
+        for first, difference, count in self.runs():
+            if difference:  # totals of a rising run rise faster each step: not arithmetic
+                for value in range(first, first + difference * count, difference):
+                    total += value
+                    made.append(total)
+            else:
+                made.extend_run(total + first, first, count)
+                total += first * count
+        return made
+
     def totals(self) -> torch.Tensor:
         """The running totals as a LongTensor ``[len + 1]`` on the host: entry ``s`` is the sum of the values
         before step ``s``."""
