@@ -114,3 +114,57 @@ def test_a_damaged_attention_tally_is_refused_with_one_line(adapter):
         with pytest.raises(InputError) as error:
             check_state_dict(tensors, {**metadata, "attention_tally": bad}, cache_geometry(adapter.model))
         assert "attention_tally" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("policy", ["evict-oldest", "evict-least-attended"])
+def test_a_saved_evicting_stream_loaded_into_the_disk_tier_journals_what_it_holds(adapter, policy, tmp_path):
+    """Before: loading a saved stream into the disk tier journaled a whole record (and the checksums of its rows)
+    for every step it ever took, evicted or not, then read them all back to compact them: a stream weeks old meant
+    millions of records. Its evicted steps are now one record of runs; the folder resumes as the stream goes on."""
+    import json
+
+    settings = dict(max_cache_bytes=200_000, cache_limit=policy)
+    frames = random_frames(60)
+    saved = tiny_qa(adapter, "statekv", offload=True, **settings).stream()
+    for frame in frames[:50]:
+        saved.push(frame)
+    path = saved.save(tmp_path / "s.safetensors")
+    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path / "tier", **settings)
+    loaded = Stream.load(path, qa)
+    cache = loaded.prefill.cache
+    assert len(cache.evicted_steps) > 20
+    lines = (loaded.prefill.disk.folder / "journal").read_text().splitlines()
+    steps = [record["step"] for record in (json.loads(line.split(" ", 1)[1]) for line in lines) if "step" in record]
+    assert steps == [step for step in range(len(cache.chunk_lengths)) if step not in cache.evicted_steps]
+    loaded.close()
+    resumed = Stream.load(loaded.prefill.disk.folder, qa)
+    assert resumed.prefill.cache.evicted_steps == saved.prefill.cache.evicted_steps
+    for frame in frames[50:]:
+        resumed.push(frame)
+        saved.push(frame)
+    assert resumed.prefill.cache.evicted_steps == saved.prefill.cache.evicted_steps
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2),
+                       saved.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
+    resumed.close()
+
+
+def test_a_loaded_states_evicted_steps_fold_as_their_records_would():
+    """`loaded_record` (from the runs of a loaded state's steps) is the record `compacted_record` makes of the
+    evicted steps' records."""
+    import random
+
+    from statekv.core.cache.step_runs import StepRuns
+    from statekv.core.disk.compaction import compacted_record, loaded_record
+    from statekv.core.storage.step_values import StepValues
+
+    for seed in range(100):
+        rng = random.Random(seed)
+        count = rng.randrange(2, 80)
+        tokens = [rng.choice([5, 5, 5, rng.randrange(1, 9)]) for _ in range(count)]
+        frames = [rng.choice([1, 1, 2]) for _ in range(count)]
+        placed = [[10 * step + rng.choice([0, 0, 1]), rng.choice([3, 3, 4]), rng.choice([0, 7])]
+                  for step in range(count)]
+        evicted = StepRuns(step for step in range(count - 1) if rng.random() < 0.6)
+        records = [{"step": s, "tokens": tokens[s], "frames": frames[s], "placed": placed[s]} for s in sorted(evicted)]
+        if records:
+            assert loaded_record(evicted.runs(), StepValues(tokens), frames, placed) == compacted_record(records)

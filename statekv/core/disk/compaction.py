@@ -115,6 +115,32 @@ def compacted_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return record
 
 
+def loaded_record(folded: Sequence[Sequence[int]], tokens: Sequence[int], frames: Sequence[int],
+                  placed: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """The ``compacted`` record `compacted_record` makes of the steps ``folded`` (runs ``[start, end)``, ascending)
+    of a state whose every step's ``tokens``, ``frames`` and (or None) placements ``[first, span, base]`` are given
+    (a `StepValues` is read as its runs): found a run at a time, so a loaded state's evicted steps, however many,
+    are not one record each."""
+    fields = [tokens, frames, *([[step[part] for step in placed] for part in range(3)] if placed is not None else [])]
+    count = len(tokens)
+    marks, at = [], 0  # per step: whether it is folded, as runs
+    for start, end in folded:
+        marks.extend([[0, 0, start - at]] if start > at else [])
+        marks.append([1, 0, end - start])
+        at = end
+    marks.extend([[0, 0, count - at]] if at < count else [])
+    made: list[list[list[int]]] = [[] for _ in range(len(fields) + 1)]
+    held = [values.runs() if isinstance(values, StepValues) else runs(values) for values in fields]
+    for taken, pairs in aligned_runs(marks, [[0, 1, count]] if count else [], *held):
+        if pairs[0][0]:
+            for runs_, (first, difference) in zip(made, pairs[1:]):
+                _extend(runs_, first, difference if taken > 1 else 0, taken)
+    record: dict[str, Any] = dict(zip((COMPACTED, "tokens", "frames"), made))
+    if placed is not None:
+        record[PLACED] = made[3:]
+    return record
+
+
 def merged_record(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One ``compacted`` record standing for the steps of ``records`` (each steps in order, their steps apart):
     the record `compacted_record` makes of their steps, found run by run, without unfolding a step (the cost goes

@@ -75,7 +75,7 @@ from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import (MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, close_all, closed_with, pwrite_all, rows_crc,
                       rows_of)
-from .compaction import BACKLOG
+from .compaction import BACKLOG, loaded_record
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
 
@@ -385,11 +385,17 @@ class DiskTier:
         self.check_owner()
         os.ftruncate(self._journal, 0)
         self.append(journal_header(self.file_set))
-        if cache.evicted_steps:
-            self.append({"evict": sorted(cache.evicted_steps)})
-        start = 0
+        lengths_, count = cache.chunk_lengths, len(cache.chunk_lengths)
+        # the evicted steps but the last, folded at once as `compact` would fold their records (one each before)
+        folded = cache.evicted_steps.below(count - 1)
+        if folded:
+            self.append(loaded_record(folded.runs(), lengths_, step_frames, placements))
+        later = [count - 1] if count - 1 in cache.evicted_steps else []
+        if later:
+            self.append({"evict": later})
         per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
-        for step, length in enumerate(cache.chunk_lengths):
+        for step, start in _held_starts(folded.held_runs(count), lengths_):
+            length = lengths_[step]
             for layer in range(len(self.buffers)):
                 for name, buffer in self.layer_files(layer):
                     rows = rows_of(name, step, start, length, per_segment)
@@ -399,12 +405,11 @@ class DiskTier:
                 record["placed"] = placements[step]
             self._cache, self.last_step = cache, step
             lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
-            if step == len(cache.chunk_lengths) - 1:
+            if step == count - 1:
                 record.update(extra)
             self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
-            start += length
-        self.evicted_records = len(cache.evicted_steps)
-        self.held_records = len(cache.chunk_lengths) - self.evicted_records
+        self.evicted_records = len(later)
+        self.held_records = count - len(cache.evicted_steps)
         self.checkpoint()
         self.remember(cache.layers)
         self.durable = True
@@ -526,6 +531,16 @@ def remove_unclosed(folder: Path, lock: FolderLock) -> None:
     if lock.held and lock.owns():
         shutil.rmtree(folder, ignore_errors=True)
     lock.release()
+
+
+def _held_starts(held: list[tuple[int, int]], lengths: Any):
+    """``(step, its first token)`` for every step of the runs ``held`` (``[start, end)``, ascending), given every
+    step's length (`StepValues`): a run's first token summed from the runs of lengths, not step by step."""
+    for first, end in held:
+        start = lengths.total(0, first)
+        for step in range(first, end):
+            yield step, start
+            start += lengths[step]
 
 
 def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
