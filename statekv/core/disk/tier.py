@@ -385,17 +385,17 @@ class DiskTier:
         self.check_owner()
         os.ftruncate(self._journal, 0)
         self.append(journal_header(self.file_set))
-        lengths_, count = cache.chunk_lengths, len(cache.chunk_lengths)
+        step_lengths, count = cache.chunk_lengths, len(cache.chunk_lengths)
         # the evicted steps but the last, folded at once as `compact` would fold their records (one each before)
         folded = cache.evicted_steps.below(count - 1)
         if folded:
-            self.append(loaded_record(folded.runs(), lengths_, step_frames, placements))
+            self.append(loaded_record(folded.runs(), step_lengths, step_frames, placements))
         later = [count - 1] if count - 1 in cache.evicted_steps else []
         if later:
             self.append({"evict": later})
         per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
-        for step, start in _held_starts(folded.held_runs(count), lengths_):
-            length = lengths_[step]
+        for step, start in _held_starts(folded.held_runs(count), step_lengths):
+            length = step_lengths[step]
             for layer in range(len(self.buffers)):
                 for name, buffer in self.layer_files(layer):
                     rows = rows_of(name, step, start, length, per_segment)
