@@ -894,8 +894,9 @@ def test_on_the_disk_tier_a_successor_whose_writes_fail_is_kept_and_replays_once
     with pytest.raises(OutputError) as error:
         stream.catch_up(3)
     assert str(error.value) == (f"{stream.name}: its successor's replay stopped {len(backlog)} steps short of the "
-                                "handover, the successor and the stream as they were, to go on at the next push or "
-                                "catch_up: cannot write the disk cache: No space left on device")
+                                "handover, the successor and the stream as they were, to go on at a later push (tried "
+                                "again after 1, 2, 4, ... steps, 6 times at most) or catch_up: cannot write the disk "
+                                "cache: No space left on device")
     assert stream.successor is not None and stream.handover == "beside" and stream.backlog.spans == backlog
     monkeypatch.undo()
     for frame in FRAMES[12:20]:

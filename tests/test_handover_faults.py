@@ -177,3 +177,39 @@ def test_memory_short_reading_a_backlog_step_puts_the_replay_off(checkpoint, mon
     assert failed and stream.frames == 40 and stream.handover == "handed over"
     assert fingerprint(stream.prefill) == cache_layout
     stream.close()
+
+
+def test_a_disk_full_for_good_backs_the_replay_off_then_drops_the_successor(checkpoint, tmp_path, monkeypatch,
+                                                                            caplog):
+    """Before: the successor's disk refusing every replayed step was tried again at every push past the range (a
+    step of the successor's computed and refused each time) and its backlog grew by a step a push without bound;
+    now the replay is tried again after 1, 2, 4, ... steps and `PUT_OFF_TRIES` refusals drop the successor, in two
+    log lines, the stream losing no frame."""
+    from statekv.api.handover import PUT_OFF_TRIES
+    from statekv.core.disk.tier import DiskTier
+    from statekv.errors import OutputError
+
+    frames = random_frames(60, seed=3, height=32, width=32)
+    qa = on_disk(checkpoint, tmp_path)
+    stream = pushed(qa, frames[:3])
+    folder, real, taken, refused = stream.durability.folder, DiskTier.commit_step, [], []
+
+    def full(tier, *args, **kwargs):
+        if tier.folder != folder:  # the successor's file set, in a subfolder: its disk full after two steps
+            if len(taken) >= 2:
+                refused.append(stream.frames)
+                raise OutputError(f"cannot write the disk cache in {tier.folder}: No space left on device")
+            taken.append(True)
+        return real(tier, *args, **kwargs)
+    monkeypatch.setattr(DiskTier, "commit_step", full)
+    with caplog.at_level(logging.WARNING, logger="statekv"):
+        for frame in frames[3:]:
+            stream.push(frame)
+    assert len(refused) == PUT_OFF_TRIES and refused[-1] - refused[0] == 2 ** (PUT_OFF_TRIES - 1) - 1
+    assert stream.handover.startswith(f"alone: the disk refused its replay {PUT_OFF_TRIES} times in a row")
+    assert stream.successor is None and not stream.backlog.steps
+    assert caplog.text.count("replay stopped") == 1 and caplog.text.count("without its successor") == 1
+    assert stream.frames == 60 and stream.ask("What is shown?", max_new_tokens=2).strip() is not None
+    stream.close()
+    with Stream.load(folder, qa) as resumed:
+        assert resumed.frames == 60 and resumed.frames_lost == 0

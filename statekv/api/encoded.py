@@ -29,7 +29,7 @@ from ..core.positions.placing import choose_positions
 from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
-from .handover import (CATCH_UP_SHARE, Backlog, cannot_place, handing_over, held_at_handover,
+from .handover import (CATCH_UP_SHARE, PUT_OFF_TRIES, Backlog, cannot_place, handing_over, held_at_handover,
                        over_cap, own_engine, passing, successor_engine, why_alone)
 from .retrieved import fit_in_frames
 from .stats import AnswerInfo, EncodingStats
@@ -272,8 +272,8 @@ class EncodedVideo:
         passes the range; calling it earlier (a quiet moment of a live stream, `catch_up_due`) spreads that work,
         and the steps pushed after it join the backlog again. A passing fault (a full disk, a backlog file unreadable
         now, memory short) stops it with an `OutputError` (`statekv.steps.jobs.ReplayPutOff`), the successor and its
-        backlog as they were, to go on later; any other failure, or a refusal of the successor's first step (which
-        closes it), drops the successor: the stream goes on as ``own-then-cache`` alone."""
+        backlog as they were, to go on later (`PUT_OFF_TRIES` refused in a row drop it); any other failure, or a
+        refusal of the successor's first step (which closes it), drops the successor: own-then-cache goes on alone."""
         if steps is not None:
             check_int(steps, "steps", minimum=1)
         with self.lock:
@@ -284,7 +284,8 @@ class EncodedVideo:
         """Whether a quiet moment should be spent on `catch_up`: the successor has steps to replay and the stream
         has taken at least `statekv.api.handover.CATCH_UP_SHARE` of the model's range (replaying from the start
         would hold the second detailed cache all along, for a stream that may never leave the range)."""
-        return (self.successor is not None and not self.prefill.closed and bool(self.backlog.steps)
+        return (self.successor is not None and not self.prefill.closed and self.backlog.retry_due
+                and bool(self.backlog.steps)
                 and self.prefill.seen_tokens >= CATCH_UP_SHARE * self.prefill.positions.limit)
 
     @property
@@ -315,7 +316,7 @@ class EncodedVideo:
         if self.successor is not None and not self.successor.closed and passing(outcome, self.backlog):
             return True
         if isinstance(outcome, Exception):
-            self.drop_successor(f"the successor's step failed ({outcome})")
+            self.drop_successor(self.backlog.why_dropped(outcome))
         else:
             self.backlog.replayed_first()
         return False
@@ -326,8 +327,8 @@ class EncodedVideo:
         reason = (reason.strip().splitlines() or [type(refusal).__name__])[0]
         stopped = (f"its successor's replay stopped {len(self.backlog.steps)} steps short of the handover"
                    if self.backlog.steps else "its handover stopped before it was marked")
-        return (f"{self.name}: {stopped}, the successor and the stream as they were, to go on at the next push or "
-                f"catch_up: {reason}")
+        return (f"{self.name}: {stopped}, the successor and the stream as they were, to go on at a later push (tried "
+                f"again after 1, 2, 4, ... steps, {PUT_OFF_TRIES} times at most) or catch_up: {reason}")
 
     def adopt_successor(self) -> None:
         """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);

@@ -31,7 +31,8 @@ the cap holds both engines whatever the successor replays meanwhile, and the suc
 holds what the first held, evicts nothing in its replay. Elsewhere, and when the replay fails, the stream streams as
 ``own-then-cache`` alone; `EncodedVideo.handover` says which and why. A replayed step the successor's disk tier
 refused (a full disk), or a backlog file unreadable for a moment, or memory short, only puts the replay off to the
-stream's next step (`EncodedVideo.replayed`); a damaged backlog drops the successor.
+stream's next step (`EncodedVideo.replayed`); the disk refusing it again puts it off for twice as many steps as the
+last time, and `PUT_OFF_TRIES` refusals in a row drop the successor; a damaged backlog drops it at once.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ SUCCESSOR_LAYOUT = CacheOrder.name  # the successor's, and the stream's once pas
 # what a replayed step may meet once and not the next time (the disk tier refusing it or its backlog file unreadable
 # for a moment, memory short): the replay is put off, the successor kept (`EncodedVideo.replayed`, `passing`)
 PASSING_FAULTS = (OutputError, torch.OutOfMemoryError, MemoryError)
+# refusals by the disk in a row (a full disk) a replay is put off for, tried again after 1, 2, 4, ... steps streamed
+# (`Backlog.refused`); the next drops the successor, so a disk full for good costs a few tries and bounded backlog
+PUT_OFF_TRIES = 6
 
 
 def passing(fault: BaseException, backlog: "Backlog") -> bool:
@@ -64,7 +68,7 @@ def passing(fault: BaseException, backlog: "Backlog") -> bool:
     if not isinstance(fault, PASSING_FAULTS):
         return False
     if isinstance(fault, OutputError):
-        return True
+        return backlog.refused()
     if backlog.short_at is None:
         backlog.short_at = len(backlog.steps)
     return len(backlog.steps) <= backlog.short_at
@@ -217,6 +221,10 @@ class Backlog:
         self.records: deque[dict | None] = deque()
         self.nbytes = 0
         self.short_at: int | None = None  # the steps it held when memory fell short for its replay (`passing`)
+        self.added = 0  # steps added since it was made: the clock a replay the disk refused backs off on
+        self.refusals = 0  # replays the disk refused in a row (`refused`), the first at ``added`` = ``refused_at``
+        self.refused_at = 0
+        self.retry_at = 0  # ``added`` at which a replay the disk refused is tried again (`retry_due`)
 
     def add(self, inputs_embeds: torch.Tensor | StoredStep, record: dict | None = None) -> None:
         """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
@@ -229,6 +237,7 @@ class Backlog:
         self.steps.append(inputs_embeds)
         self.records.append(record)
         self.nbytes += inputs_embeds.nbytes
+        self.added += 1
 
     def first(self) -> torch.Tensor:
         """The next step to replay's embeddings ``[1, T, D]`` (read back when stored)."""
@@ -240,6 +249,32 @@ class Backlog:
         self.nbytes -= self.steps.popleft().nbytes
         self.records.popleft()
         self.short_at = None
+        self.refusals, self.retry_at = 0, 0
+
+    def refused(self) -> bool:
+        """The replay (or the handover after it) was refused by the disk: whether it is put off, to be tried again
+        once twice as many steps as the last time were streamed (`retry_due`), or given up (False), after
+        `PUT_OFF_TRIES` refusals in a row."""
+        if not self.refusals:
+            self.refused_at = self.added
+        self.refusals += 1
+        self.retry_at = self.added + 2 ** (self.refusals - 1)
+        return self.refusals < PUT_OFF_TRIES
+
+    @property
+    def retry_due(self) -> bool:
+        """Whether a replay is due at this step: none the disk refused is backing off (`refused`)."""
+        return self.added >= self.retry_at
+
+    def why_dropped(self, fault: BaseException) -> str:
+        """Why the successor is dropped after ``fault`` met its replay, in one line: the disk's `PUT_OFF_TRIES`-th
+        refusal in a row, or a fault its next try would meet again."""
+        if self.refusals < PUT_OFF_TRIES:
+            return f"the successor's step failed ({fault})"
+        reason = str(fault).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
+        reason = (reason.strip().splitlines() or [type(fault).__name__])[0]
+        return (f"the disk refused its replay {self.refusals} times in a row over {self.added - self.refused_at} "
+                f"steps ({reason})")
 
     @property
     def spans(self) -> list[int]:

@@ -131,7 +131,8 @@ def _stream_jobs(jobs: Sequence[StepJob], batcher: StepBatcher) -> None:
             if index + 1 < job.steps:
                 following.append((job, index + 1))
         stopped = hand_over([job.video for job, index, step in stepped if job.video.handover_due
-                             and handover_now(job.video, step, job.steps - index - 1)], batcher)
+                             and job.video.backlog.retry_due and handover_now(job.video, step, job.steps - index - 1)],
+                            batcher)
         for job, _, _ in stepped:
             if id(job.video) in stopped:  # closed in its handover: its job ends there, the others go on
                 job.error = stopped[id(job.video)]
@@ -175,6 +176,9 @@ def hand_over(videos: Sequence[Any], batcher: StepBatcher) -> dict[int, Handover
             log.error("%s", error)
             continue
         except OutputError as error:  # refused before it was marked: both engines as they were, for a later step
+            if not video.backlog.refused():
+                video.drop_successor(video.backlog.why_dropped(error))
+                continue
             if not video.replay_put_off:
                 log.warning("%s", video.put_off(error))
             video.replay_put_off = True
@@ -203,7 +207,10 @@ def catch_up_together(videos: Sequence[Any], steps: int | None = None) -> int:
                 stopped.append(error)
                 continue
             except OutputError as error:  # refused before it was marked: put off, as a refused replay is
-                refused[id(video)] = error
+                if video.backlog.refused():
+                    refused[id(video)] = error
+                else:
+                    video.drop_successor(video.backlog.why_dropped(error))
         video.book_engines()
     if stopped:
         raise stopped[0]
