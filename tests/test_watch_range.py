@@ -173,3 +173,22 @@ def test_a_failing_watch_is_logged_as_its_error_starts_changes_and_ends_not_at_e
     logged = [record.getMessage() for record in caplog.records if watch.id in record.getMessage()]
     assert len(logged) == 3 and watch.error in logged[2], logged
     stream.close()
+
+
+def test_a_capped_stream_refuses_a_watch_whose_retrieval_would_not_fit_past_the_range(qa, images):
+    """Before: under a cache cap the check was skipped, so a watch retrieving 30 frames opened inside the range
+    and failed at every evaluation past it. Now it is refused when it opens unless the cap holds too few steps for
+    that (a retrieval of more than is held reads every held step, and fits)."""
+    capped = qa.with_options(max_cache_bytes=100_000, cache_limit="evict-oldest", offload=True).stream()
+    capped.push(images[0])
+    with pytest.raises(HorizonError, match=r"^30 retrieved frames .*; retrieve at most 5 frames$"):
+        capped.watch("Why?", retrieve=30, max_new_tokens=2, steer=False, every=1)
+    capped.close()
+    small = qa.with_options(max_cache_bytes=40_000, cache_limit="evict-oldest", offload=True).stream()
+    small.push(images[0])
+    watch = small.watch("Why?", retrieve=30, max_new_tokens=2, steer=False, every=1)
+    for image in images[1:]:
+        small.push(image)
+    small.flush()
+    assert watch.error is None and watch.evaluations == len(images) and small.prefill.positions.moved
+    small.close()

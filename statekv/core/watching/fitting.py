@@ -54,18 +54,27 @@ def check_retrieval_fits(prefill, room: int, retrieval: Retrieval, least_span: i
     """A one-line `RetrievalTooWide` (counted in steps) when ``retrieval`` cannot fit ``prefill``'s bounded stream
     once past its range, beside a question and answer of ``room`` positions, as an evaluation then finds: checked
     while the stream still fits the range (a watch opened then must not fail at every evaluation past it), from
-    what it kept so far and the ``least_span`` positions each later step takes at least. Nothing under ``stream``
-    positions, past the range (the evaluation itself refuses there) or under a cache cap (which may hold fewer steps
-    than are retrieved)."""
+    what it kept so far and the ``least_span`` positions each later step takes at least. Under a cache cap, an
+    evaluation reads no more steps than the cap can hold (`most_held`), so only those are checked. Nothing under
+    ``stream`` positions or past the range (the evaluation itself refuses there)."""
     positions = prefill.positions
-    if not positions.bounded or prefill.keeper is not None or positions.next_first + room > positions.limit:
+    if not positions.bounded or positions.next_first + room > positions.limit:
         return
     keep_steps = prefill.steps_kept_whole(retrieval.keep_tokens)  # so far
     widest = max(positions.widest, least_span, 1)
     fitting = (positions.limit - room - positions.keep_end(keep_steps)) // widest
-    if 1 <= fitting < retrieval.steps:
+    if 1 <= fitting < min(retrieval.steps, most_held(prefill, least_span)):
         raise RetrievalTooWide(retrieval.steps, widest, room, positions.limit, fitting,
                                least=widest > positions.widest)
+
+
+def most_held(prefill, least_span: int) -> int | float:
+    """The most steps of at least ``least_span`` tokens ``prefill``'s cache cap can hold (each costs its tokens and
+    its own bytes, `CacheKeeper`): what a retrieval of more reads at most (inf: no cap)."""
+    keeper = prefill.keeper
+    if keeper is None:
+        return float("inf")
+    return keeper.limit.max_bytes // max(least_span * keeper.bytes_per_token + keeper.bytes_per_step, 1)
 
 
 def most_carried(prefill, carried: int) -> int:
