@@ -172,3 +172,26 @@ def test_a_watch_too_wide_for_its_stream_past_the_range_is_refused_before_its_fr
             _push(client, stream_id, pictures, frames, FRAMES + 2)
             watched = client.get(f"{url}/{made.json()['id']}").json()
             assert watched["error"] is None and watched["evaluations"] >= 1, (frames, watched)
+
+
+def test_metrics_count_the_watches_failing_now(short, pictures, tmp_path):
+    """Before: only ``statekv_watch_failures_total`` (every failed evaluation), whose rate cannot say how many
+    watches fail now (one evaluated hourly and failing weighs little). ``statekv_watches_failing`` says it, and
+    goes back to 0 once they are evaluated again."""
+    from test_serve_watches import metric
+
+    options, qa = short
+    with Running(tmp_path / "state", qa, options=options) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": None, "horizon_frames": None}).json()["id"]
+        made = client.post(f"/v1/streams/{stream_id}/watches", json={"question": "Why?", "every": 2,
+                                                                     "max_new_tokens": 2, "retrieve": 1})
+        assert made.status_code == 201, made.text
+        assert metric(client, "statekv_watches_failing") == 0
+        watch, = server.app.state.service.registry.entries[stream_id].stream.watches
+        watch.retrieve = 100  # as a watch opened before the check that its retrieve fits past the range
+        _push(client, stream_id, pictures, 0, FRAMES)
+        assert client.get(f"/v1/streams/{stream_id}/watches/{watch.id}").json()["error"] is not None
+        assert metric(client, "statekv_watches_failing") == 1 and metric(client, "statekv_watch_failures_total") > 1
+        watch.retrieve = 1
+        _push(client, stream_id, pictures, FRAMES, FRAMES + 2)
+        assert metric(client, "statekv_watches_failing") == 0

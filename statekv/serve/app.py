@@ -85,7 +85,7 @@ class Service:
                                lambda: getattr(self.worker, "quiet_catch_up_steps", 0), self.unsaved,
                                lambda: len(self.registry.damaged), lambda: getattr(self.worker, "queued", 0))
         self.registry.metrics = self.metrics
-        self.watch_hub = WatchHub(self.metrics.registry)
+        self.watch_hub = WatchHub(self.metrics.registry, self.failing_watches)
         self.registry.watch_listener = self.watch_hub.listener  # watches brought back with a stream report here
         self.registry.end_watch_feeds = self.watch_hub.end
         self.ask_slots = Slots(config.max_asks, "questions")
@@ -94,6 +94,11 @@ class Service:
     def unsaved(self) -> int:
         """The streams whose last save failed (`StreamRegistry.note_save_failure`)."""
         return sum(1 for entry in list(self.registry.entries.values()) if entry.save_error is not None)
+
+    def failing_watches(self) -> int:
+        """The open watches of the streams held here whose last evaluation failed (their ``error``)."""
+        return sum(1 for entry in list(self.registry.entries.values())
+                   for watch in getattr(entry.stream, "watches", ()) if watch.error is not None)
 
     @property
     def uploads(self) -> Path:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -339,9 +340,10 @@ class Follower:
 class WatchHub:
     """Every watch evaluation of a server reports here: counted (``statekv_watch_evaluations_total``, and
     ``statekv_watch_events_total`` for those whose answer changed, ``statekv_watch_failures_total`` for those that
-    failed) and handed to the clients following its stream (``statekv_watch_followers`` of them)."""
+    failed) and handed to the clients following its stream (``statekv_watch_followers`` of them);
+    ``statekv_watches_failing``: the open watches whose last evaluation failed, read from ``failing`` when scraped."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, failing: Callable[[], int] = lambda: 0):
         self.evaluations = Counter("statekv_watch_evaluations", "watch evaluations (standing questions answered)",
                                    registry=registry)
         self.events = Counter("statekv_watch_events", "watch events: evaluations whose answer changed",
@@ -353,6 +355,8 @@ class WatchHub:
         self.closed = False
         Gauge("statekv_watch_followers", "clients following watch events", registry=registry).set_function(
             lambda: sum(len(group) for group in list(self.followers.values())))
+        Gauge("statekv_watches_failing", "open watches whose last evaluation failed (their error says why)",
+              registry=registry).set_function(lambda: float(failing()))
 
     def listener(self, stream_id: str):
         """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`); its ``failed``,
