@@ -30,7 +30,7 @@ from ..settings.engine import EngineSettings
 from ..settings.methods import retrieval_rule
 from .durability import Durability
 from .handover import (CATCH_UP_SHARE, PUT_OFF_TRIES, Backlog, cannot_place, handing_over, held_at_handover,
-                       over_cap, own_engine, passing, successor_engine, why_alone)
+                       over_cap, own_engine, passing, refusal_reason, successor_engine, why_alone)
 from .retrieved import fit_in_frames
 from .stats import AnswerInfo, EncodingStats
 from ..errors import HandoverError, InputError, OutputError, StateKVError
@@ -323,12 +323,11 @@ class EncodedVideo:
 
     def put_off(self, refusal: OutputError) -> str:
         """What a replay put off by ``refusal`` (`replayed`) leaves, in one line."""
-        reason = str(refusal).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
-        reason = (reason.strip().splitlines() or [type(refusal).__name__])[0]
         stopped = (f"its successor's replay stopped {len(self.backlog.steps)} steps short of the handover"
                    if self.backlog.steps else "its handover stopped before it was marked")
         return (f"{self.name}: {stopped}, the successor and the stream as they were, to go on at a later push (tried "
-                f"again after 1, 2, 4, ... steps, {PUT_OFF_TRIES} times at most) or catch_up: {reason}")
+                f"again after 1, 2, 4, ... steps, {PUT_OFF_TRIES} times at most) or catch_up: "
+                f"{refusal_reason(refusal)}")
 
     def adopt_successor(self) -> None:
         """The successor, its backlog replayed (`catch_up`), becomes this video's engine (`statekv.api.handover`);

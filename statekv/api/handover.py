@@ -61,6 +61,13 @@ PASSING_FAULTS = (OutputError, torch.OutOfMemoryError, MemoryError)
 PUT_OFF_TRIES = 6
 
 
+def refusal_reason(fault: BaseException) -> str:
+    """The first line of why the disk refused a successor's step, without what the refusal says of the step's
+    tokens (the successor's, not the stream's)."""
+    reason = str(fault).split("; the step was not taken", 1)[0]
+    return (reason.strip().splitlines() or [type(fault).__name__])[0]
+
+
 def passing(fault: BaseException, backlog: "Backlog") -> bool:
     """Whether ``fault``, met by ``backlog``'s first step as it was replayed, puts the replay off (`PASSING_FAULTS`):
     memory short again once the backlog grew since it first fell short (a step streamed, its replay still short)
@@ -271,10 +278,8 @@ class Backlog:
         refusal in a row, or a fault its next try would meet again."""
         if self.refusals < PUT_OFF_TRIES:
             return f"the successor's step failed ({fault})"
-        reason = str(fault).split("; the step was not taken", 1)[0]  # the successor's tokens, not the stream's
-        reason = (reason.strip().splitlines() or [type(fault).__name__])[0]
         return (f"the disk refused its replay {self.refusals} times in a row over {self.added - self.refused_at} "
-                f"steps ({reason})")
+                f"steps ({refusal_reason(fault)})")
 
     @property
     def spans(self) -> list[int]:
