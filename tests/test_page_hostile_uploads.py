@@ -1,6 +1,6 @@
 """The page's file uploads met as a careless person meets them: a tab reloaded or closed while its file is still
-going up, and a stream switched to another while a video added to it uploads. Each case says what happened
-before."""
+going up, a stream switched to another while a video added to it uploads, two tabs adding a video to one stream at
+once. Each case says what happened before."""
 
 from __future__ import annotations
 
@@ -57,6 +57,32 @@ def test_a_body_cut_off_by_its_client_is_a_499_never_an_internal_error(tmp_path,
     assert not [record for record in caplog.records if record.exc_info or "internal error" in record.getMessage()]
 
 
+# A server on which two files named together*.mp4 are opened as one: each waits, once open, for the other, so the
+# checks of two tabs' uploads run in one turn of the server's loop, as two arriving together may.
+TOGETHER = """
+import asyncio, sys
+from statekv.cli import main
+from statekv.serve.feeding import FileFeeds
+
+opened, waiting = FileFeeds.open_source, []
+
+async def open_together(self, path, shown):
+    video = await opened(self, path, shown)
+    if shown.startswith("together"):
+        arrived = asyncio.Event()
+        waiting.append(arrived)
+        if len(waiting) == 2:
+            for each in waiting:
+                each.set()
+            waiting.clear()
+        await asyncio.wait_for(arrived.wait(), 120)
+    return video
+
+FileFeeds.open_source = open_together
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.fixture(scope="module")
 def uploads_server(tmp_path_factory):
     from test_serve import Server
@@ -66,7 +92,8 @@ def uploads_server(tmp_path_factory):
     media = tmp_path_factory.mktemp("media")
     write_test_video(media / "clip.mp4", frames=4, fps=1)
     write_test_video(media / "added.mp4", frames=12, fps=1, size=(320, 240))  # big enough to take a while up
-    running = Server(tmp_path_factory.mktemp("uploads") / "state", media).start()
+    write_test_video(media / "together.mp4", frames=6, fps=1)
+    running = Server(tmp_path_factory.mktemp("uploads") / "state", media, launch=("-c", TOGETHER)).start()
     yield running
     running.stop()
 
@@ -106,3 +133,43 @@ def test_a_video_added_to_a_stream_goes_into_it_though_another_is_opened_as_it_u
                 time.sleep(0.2)
             assert (frames(added_to), frames(other)) == (16, 4)
             assert page.inner_text(".statekv-title") and page.url.endswith(other)  # the view stays where it went
+
+
+def _stream_of(server, client, video: str = "clip.mp4") -> str:
+    stream_id = client.post("/v1/streams").json()["id"]
+    client.post(f"/v1/streams/{stream_id}/frames", json={"source": video}).raise_for_status()
+    return stream_id
+
+
+def _tab_on(browser, server, stream_id: str, frames: int):
+    from test_serve import KEY
+
+    tab = browser.new_context().new_page()
+    tab.goto(f"{server.url}/?key={KEY}&stream={stream_id}")
+    tab.wait_for_selector(f".statekv-stats:has-text('{frames} frames ·')", timeout=60_000)
+    return tab
+
+
+@pytest.mark.slow
+def test_of_two_tabs_adding_a_video_to_one_stream_at_once_the_second_is_told_why_not(uploads_server):
+    """Before: both tabs' checks passed, the second's feed was refused as it began, and that tab was told nothing
+    (its file was gone, its stream unchanged, the refusal logged alone)."""
+    from test_serve import chromium_browser
+
+    server = uploads_server
+    with server.client() as client, chromium_browser() as browser:
+        stream_id = _stream_of(server, client)
+        tabs = [_tab_on(browser, server, stream_id, 4) for _ in range(2)]
+        for tab in tabs:
+            tab.set_input_files(".statekv-upload-more input[type=file]", str(server.media / "together.mp4"))
+        for tab in tabs:
+            tab.wait_for_selector(".statekv-stats:has-text('10 frames ·')", timeout=60_000)
+        notes = []
+        for tab in tabs:
+            tab.wait_for_timeout(1000)  # (a refresh's worth)
+            note = tab.locator(".statekv-error-more:visible .statekv-error-message")
+            notes += [note.inner_text()] if note.count() else []
+        assert notes == ["this stream is being fed together.mp4; wait until it is done, or stop it"], notes
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 10  # one file whole, the other not at all
+    assert "Traceback" not in server.printed()
+

@@ -32,7 +32,8 @@ from fastapi import FastAPI
 
 from ..errors import StateKVError
 from .errors import ServiceError
-from .page_parts import PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, jpeg_data_url, js_literal, lost_text, read_text
+from .page_parts import (PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, busy_feeding, discard, jpeg_data_url,
+                         js_literal, lost_text, read_text, rejected_text)
 from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_height, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
@@ -308,16 +309,7 @@ class StreamPage:
     # -- feeding a file --------------------------------------------------------------------------------------
     def on_rejected(self, event, name: str) -> None:
         error = self.new_upload_error if name == "new" else self.more_upload_error
-        files = event.args if isinstance(event.args, list) else []
-        reasons = []
-        for file in files[:3]:
-            if file.get("why") == "max-file-size":
-                reasons.append(f"{file.get('name')} is {file.get('size', 0) / 2**20:.0f} MiB, over the limit of "
-                               f"{MAX_UPLOAD_BYTES // 2**20} MiB")
-            else:
-                reasons.append(f"{file.get('name')} is not a video ({file.get('type') or 'unknown type'}); "
-                               "open a video file (MP4, WebM, MKV, MOV...)")
-        error.show("; ".join(reasons) or "the file was refused")
+        error.show(rejected_text(event.args, MAX_UPLOAD_BYTES))
 
     async def on_new_upload(self, event) -> None:
         await self.feed_upload(event, None, self.new_upload_error, self.new_upload)
@@ -354,32 +346,38 @@ class StreamPage:
                 raise ServiceError(409, f"{name} gives about {frames} frames at {rate or video.fps:g} per second, more than the "
                                    f"{room} {'left in this stream' if entry else 'a stream of this model holds'}")
             if entry is not None and entry.feeding:
-                raise ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done, or stop "
-                                   "it")
+                raise busy_feeding(entry)
         except StateKVError as failure:
-            _discard(path)
-            message = self.service.public(str(failure))
-            error.show(message if entry is None or entry is self.entry else
-                       f"{name} was not added to {entry.name}: {message}")
+            discard(path)
+            self.refused(error, entry, name, failure)
             return
         if entry is None:
             entry = await self.create(name, error)
             if entry is None:
-                _discard(path)
+                discard(path)
                 return
             self.open(entry)
         elif entry is self.entry:
             self.open(entry)
-        asyncio.create_task(self.feed(entry, path, name, video, skip, size))
+        asyncio.create_task(self.feed(entry, path, name, video, skip, size, error))
 
-    async def feed(self, entry, path: Path, name: str, video, skip: int, size: int) -> None:
+    def refused(self, error: ErrorNote, entry, name: str, failure: StateKVError) -> None:
+        message = self.service.public(str(failure))
+        error.show(message if entry is None or entry is self.entry else
+                   f"{name} was not added to {entry.name}: {message}")
+
+    async def feed(self, entry, path: Path, name: str, video, skip: int, size: int, error: ErrorNote) -> None:
+        before = entry.feed
         try:
             await self.registry.feeds.feed(entry, path, None, shown=name, video=video, skip=skip, resumable=False,
                                            size=size)
         except StateKVError as failure:  # kept in entry.feed, shown by every tab that has the stream open
             log.info("page feed of %s into %s stopped: %s", name, entry.id, failure)
+            if entry.feed is before and not error.box.is_deleted:  # refused before it began (another tab's feed
+                with error.box:  # began as this one was checked, say): this tab alone is told
+                    self.refused(error, entry, name, busy_feeding(entry) if entry.feeding else failure)
         finally:
-            _discard(path)
+            discard(path)
 
     async def stop_feed(self) -> None:
         """Stop the open stream's feed after its frame (`FileFeeds.stop`): its note says how far it got."""
@@ -590,9 +588,3 @@ class StreamPage:
             card, _, line = self.rows[entry.id]
             line.set_text(f"{entry.frames} frames · {age_text(now - entry.created)} · {entry.state}")
             card.classes(add="bg-blue-1" if entry is self.entry else "", remove="" if entry is self.entry else "bg-blue-1")
-
-
-def _discard(path: Path) -> None:
-    """Remove an upload's file, if it is there (the folder it was to be kept in may be missing or not a folder)."""
-    with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)

@@ -4,15 +4,18 @@ conversions it shows values with."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import inspect
 import io
 import itertools
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from .answer_notes import read_count, read_frames
+from .errors import ServiceError
 
 THUMBNAIL_WIDTH = 320
 LOGGED_URL_CHARACTERS = 300
@@ -182,6 +185,20 @@ def read_text(answer: dict) -> str:
     return f"read {count} frame{'s' * (count != 1)}: {shown}"
 
 
+def rejected_text(files: Any, limit: int) -> str:
+    """Why the uploader refused ``files`` (its ``rejected`` event's: name, type, size and why), over ``limit`` bytes
+    or not a video."""
+    reasons = []
+    for file in (files if isinstance(files, list) else [])[:3]:
+        if file.get("why") == "max-file-size":
+            reasons.append(f"{file.get('name')} is {file.get('size', 0) / 2**20:.0f} MiB, over the limit of "
+                           f"{limit // 2**20} MiB")
+        else:
+            reasons.append(f"{file.get('name')} is not a video ({file.get('type') or 'unknown type'}); "
+                           "open a video file (MP4, WebM, MKV, MOV...)")
+    return "; ".join(reasons) or "the file was refused"
+
+
 def lost_text(lost: dict | None, info: dict) -> str:
     """What a start brought a stream back without (``lost`` of its ``info``, `entries.lost_at_start`), for its panel."""
     if not lost:
@@ -195,6 +212,17 @@ def lost_text(lost: dict | None, info: dict) -> str:
     return (f"The server stopped before saving this stream's last frames: it came back without the last {pushed} "
             f"frame{'s' * (pushed != 1)} pushed ({lost['frames']} of them encoded){over}. The next frame to push is "
             f"index {info.get('resume_from')}{when}.")
+
+
+def busy_feeding(entry: Any) -> ServiceError:
+    """The refusal of a file added to ``entry`` (a `StreamEntry`) while another is fed into it."""
+    return ServiceError(409, f"this stream is being fed {entry.feed.source}; wait until it is done, or stop it")
+
+
+def discard(path: Path) -> None:
+    """Remove an upload's file, if it is there (the folder it was to be kept in may be missing or not a folder)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def js_literal(text: str | None) -> str:
