@@ -1,6 +1,6 @@
-"""The page's file uploads met as a careless person meets them: a tab reloaded or closed while its file is still
-going up, a stream switched to another while a video added to it uploads, two tabs adding a video to one stream at
-once. Each case says what happened before."""
+"""The page's file uploads and inputs met as a careless person meets them: a tab reloaded or closed while its file is
+still going up, a stream switched to another while a video added to it uploads, two tabs adding a video to one stream
+at once, a pasted half character. Each case says what happened before."""
 
 from __future__ import annotations
 
@@ -171,5 +171,23 @@ def test_of_two_tabs_adding_a_video_to_one_stream_at_once_the_second_is_told_why
             notes += [note.inner_text()] if note.count() else []
         assert notes == ["this stream is being fed together.mp4; wait until it is done, or stop it"], notes
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 10  # one file whole, the other not at all
+    assert "Traceback" not in server.printed()
+
+
+@pytest.mark.slow
+def test_a_question_holding_half_a_character_is_asked_with_it_replaced(uploads_server):
+    """Before: a lone surrogate pasted into the question (half of a UTF-16 pair, as some clipboards hold) made
+    NiceGUI refuse the whole event with a traceback in the server's log, and the page read the question as empty."""
+    from test_serve import chromium_browser
+
+    server = uploads_server
+    with server.client() as client, chromium_browser() as browser:
+        tab = _tab_on(browser, server, _stream_of(server, client), 4)
+        tab.get_by_label("Question").evaluate("box => { box.value = 'Which colour \\ud800 was it?'; "
+                                              "box.dispatchEvent(new Event('input', {bubbles: true})); }")
+        tab.get_by_role("button", name="Ask").click()
+        tab.wait_for_selector(".statekv-answer", timeout=60_000)
+        assert "Which colour \ufffd was it?" in tab.inner_text(".statekv-answer-question")
+        assert not tab.locator(".statekv-error-ask:visible").count()
     assert "Traceback" not in server.printed()
 

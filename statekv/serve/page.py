@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from ..errors import StateKVError
 from .errors import ServiceError
 from .page_parts import (PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, busy_feeding, discard, jpeg_data_url,
-                         js_literal, lost_text, read_text, rejected_text)
+                         js_literal, lost_text, read_text, readable_events, rejected_text)
 from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_height, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
@@ -65,6 +65,7 @@ def mount_page(app: FastAPI, service: Any) -> None:
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op", category=FutureWarning)
     ui.run_with(app, mount_path="/ui", title="statekv", show_welcome_message=False,
                 reconnect_timeout=RECONNECT_SECONDS, storage_secret=None)
+    readable_events()
 
 
 class StreamPage:

@@ -1,5 +1,5 @@
-"""The page's parts that are not its layout: its script, the note that shows a failure in place, and the small
-conversions it shows values with."""
+"""The page's parts that are not its layout: its script, the note that shows a failure in place, the page's events
+made readable (`readable_events`), and the small conversions it shows values with."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from .errors import ServiceError
 
 THUMBNAIL_WIDTH = 320
 LOGGED_URL_CHARACTERS = 300
+LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # (JSON.stringify escapes lone ones alone)
+log = logging.getLogger("statekv.serve")
 
 # The page's only script: the browser's memory of the key and the open stream, and the camera, which is asked
 # for before any stream is made; it posts one JPEG per second to the stream and reports any refusal.
@@ -212,6 +214,44 @@ def lost_text(lost: dict | None, info: dict) -> str:
     return (f"The server stopped before saving this stream's last frames: it came back without the last {pushed} "
             f"frame{'s' * (pushed != 1)} pushed ({lost['frames']} of them encoded){over}. The next frame to push is "
             f"index {info.get('resume_from')}{when}.")
+
+
+def readable_events() -> None:
+    """Have NiceGUI read every page event's arguments: JSON holding a lone surrogate (half of a UTF-16 pair, as
+    some clipboards paste) is rewritten with U+FFFD in its place, where NiceGUI's reader refused the whole event with
+    a traceback (a question typed so was read as empty); arguments that are not JSON drop their event, in one
+    line."""
+    from nicegui import core
+
+    handlers = core.sio.handlers.get("/", {})
+    handler = handlers.get("event")
+    if handler is None or getattr(handler, "readable", False):
+        return
+
+    def on_event(sid: str, message: Any) -> Any:
+        args = message.get("args") if isinstance(message, dict) else None
+        if isinstance(args, list) and any(isinstance(arg, str) and LONE_SURROGATE.search(arg) for arg in args):
+            try:
+                message["args"] = [json.dumps(_well_formed(json.loads(arg))) if isinstance(arg, str) else arg
+                                   for arg in args]
+            except ValueError as error:
+                log.info("a page sent an event that is not JSON (%s): dropped", error)
+                return None
+        return handler(sid, message)
+
+    on_event.readable = True
+    core.sio.on("event", on_event)
+
+
+def _well_formed(value: Any) -> Any:
+    """``value`` (read from JSON) with every lone surrogate in its strings replaced by U+FFFD."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_well_formed(each) for each in value]
+    if isinstance(value, dict):
+        return {_well_formed(key): _well_formed(each) for key, each in value.items()}
+    return value
 
 
 def busy_feeding(entry: Any) -> ServiceError:
