@@ -1,6 +1,6 @@
 """The page's file uploads and inputs met as a careless person meets them: a tab reloaded or closed while its file is
 still going up, a stream switched to another while a video added to it uploads, two tabs adding a video to one stream
-at once, a pasted half character. Each case says what happened before."""
+at once, a pasted half character, an address mangled. Each case says what happened before."""
 
 from __future__ import annotations
 
@@ -191,3 +191,16 @@ def test_a_question_holding_half_a_character_is_asked_with_it_replaced(uploads_s
         assert not tab.locator(".statekv-error-ask:visible").count()
     assert "Traceback" not in server.printed()
 
+
+@pytest.mark.slow
+def test_a_long_stream_in_the_address_is_named_short(uploads_server):
+    """Before: a ``?stream=`` of 20,000 characters (a pasted log line, a mangled link) was repeated whole in the
+    page's note."""
+    from test_serve import KEY, chromium_browser
+
+    with chromium_browser() as browser:
+        tab = browser.new_page()
+        tab.goto(f"{uploads_server.url}/?key={KEY}&stream={'x' * 20_000}")
+        tab.wait_for_selector(".statekv-status:has-text('you had open')", timeout=60_000)
+        note = tab.inner_text(".statekv-status")
+        assert "(20,000 characters)" in note and len(note) < 200, note[:300]

@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from ..errors import StateKVError
 from .errors import ServiceError
 from .page_parts import (PAGE_SCRIPT, ErrorNote, HiddenKeys, age_text, busy_feeding, discard, jpeg_data_url,
-                         js_literal, lost_text, read_text, readable_events, rejected_text)
+                         js_literal, lost_text, read_text, readable_events, rejected_text, shown_id)
 from .feeding import frames_at_rate
 from .page_watches import ChoicesForm, WatchPanel, timeline_height, timeline_options, timeline_rows
 from .routes import MAX_QUESTION_CHARS, question_settings
@@ -213,7 +213,7 @@ class StreamPage:
             try:
                 self.open(await self.registry.find(self.owner, stream_id))
             except ServiceError:
-                self.close(f"The stream {stream_id} you had open was deleted (or belongs to another key).")
+                self.close(f"The stream {shown_id(stream_id)} you had open was deleted (or belongs to another key).")
 
     async def use_key(self) -> None:
         key = (self.key_input.value or "").strip()

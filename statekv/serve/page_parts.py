@@ -19,6 +19,7 @@ from .errors import ServiceError
 
 THUMBNAIL_WIDTH = 320
 LOGGED_URL_CHARACTERS = 300
+SHOWN_ID_CHARACTERS = 40  # a stream's id is 27
 LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # (JSON.stringify escapes lone ones alone)
 log = logging.getLogger("statekv.serve")
 
@@ -252,6 +253,13 @@ def _well_formed(value: Any) -> Any:
     if isinstance(value, dict):
         return {_well_formed(key): _well_formed(each) for key, each in value.items()}
     return value
+
+
+def shown_id(stream_id: str) -> str:
+    """A stream id from the address or the browser's memory, for a note: a long one cut short, its length named."""
+    if len(stream_id) <= SHOWN_ID_CHARACTERS:
+        return stream_id
+    return f"{stream_id[:SHOWN_ID_CHARACTERS]}... ({len(stream_id):,} characters)"
 
 
 def busy_feeding(entry: Any) -> ServiceError:
