@@ -1,6 +1,6 @@
 """The page's file uploads and inputs met as a careless person meets them: a tab reloaded or closed while its file is
 still going up, a stream switched to another while a video added to it uploads, two tabs adding a video to one stream
-at once, a pasted half character, an address mangled. Each case says what happened before."""
+at once, a pasted half character, a paste of megabytes, an address mangled. Each case says what happened before."""
 
 from __future__ import annotations
 
@@ -204,3 +204,22 @@ def test_a_long_stream_in_the_address_is_named_short(uploads_server):
         tab.wait_for_selector(".statekv-status:has-text('you had open')", timeout=60_000)
         note = tab.inner_text(".statekv-status")
         assert "(20,000 characters)" in note and len(note) < 200, note[:300]
+
+
+@pytest.mark.slow
+def test_a_question_pasted_over_a_megabyte_long_is_refused_not_swapped_for_the_last_one(uploads_server):
+    """Before: NiceGUI never sends a value of 1 MB or more, so the page asked the question typed before the paste (or
+    read the question as empty), while the box showed the pasted one."""
+    from test_serve import chromium_browser
+
+    server = uploads_server
+    with server.client() as client, chromium_browser() as browser:
+        tab = _tab_on(browser, server, _stream_of(server, client), 4)
+        question = tab.get_by_label("Question")
+        question.fill("Which colour was it?")
+        tab.wait_for_timeout(500)  # (sent)
+        question.fill("q" * 1_100_000)
+        tab.get_by_role("button", name="Ask").click()
+        tab.wait_for_selector(".statekv-answer, .statekv-error-ask:visible", timeout=60_000)
+        assert "over the limit of 8000" in tab.inner_text(".statekv-error-ask .statekv-error-message")
+        assert not tab.locator(".statekv-answer").count()

@@ -36,6 +36,13 @@ PAGE_SCRIPT = """
 .statekv-title { overflow-wrap: anywhere; min-width: 0; }
 </style>
 <script>
+// NiceGUI never sends a value of 1 MB or more (the server kept the one sent before, and asked it): a longer one is
+// cut to 100,000 characters, over every limit of the page, so its note says it is too long
+window.addEventListener('input', event => {
+  const field = event.target;
+  if ((field instanceof HTMLInputElement || field instanceof HTMLTextAreaElement) && field.value.length > 100000)
+    field.value = field.value.slice(0, 100000);
+}, true);
 window.statekvPage = {
   remembered() {
     return {key: localStorage.getItem('statekv-key') || '', stream: localStorage.getItem('statekv-stream') || ''};
