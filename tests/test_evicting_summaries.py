@@ -186,3 +186,20 @@ def test_a_compact_buffer_reads_saves_and_loads_as_a_token_buffer_holding_only_i
         loaded.load(saved, released=released)
         assert loaded.length == 200 and loaded.capacity == kept
         assert torch.equal(loaded.view(0, 200)[0], whole.view(0, 200)[0])
+
+
+def test_a_disk_tier_streams_segment_index_in_ram_takes_rows_for_what_it_holds(adapter, monkeypatch, tmp_path):
+    """Before: the RAM half of the disk tier's segment index was addressed by every segment streamed (doubled as
+    they came), its evicted pages given back but not its address space."""
+    monkeypatch.setattr(layer_storage, "SEGMENT_STEPS", 2)
+    stream = tiny_qa(adapter, "recency", **dict(EVICTING, offload="disk", offload_dir=str(tmp_path))).stream()
+    for frame in random_frames(150):
+        stream.push(frame)
+    cache = stream.prefill.cache
+    steps = len(cache.chunk_lengths)
+    held_steps = steps - len(cache.evicted_steps)
+    assert steps > 100 and held_steps < 16
+    for layer in cache.layers:
+        assert layer.storage.segment_index.length == steps // 2
+        assert layer.storage.segment_index.capacity <= 4 * held_steps + 4, layer.storage.segment_index.capacity
+    assert stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2).numel()

@@ -22,6 +22,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from ..storage.buffers import TokenBuffer
+from ..storage.compact import CompactBuffer
 from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 
@@ -287,42 +288,50 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         raise OutputError(f"cannot write the disk cache: {error.strerror or error}") from None
 
 
-class MirroredTokenBuffer(TokenBuffer):
-    """A `TokenBuffer` in RAM (what is read) whose writes are also appended to a `MappedTokenBuffer` (what a
-    resumed stream reads back): the step summaries."""
+class MirroredTokenBuffer:
+    """A buffer in RAM (what is read) whose writes are also appended to a `MappedTokenBuffer` (what a resumed
+    stream reads back): the segment index. For a stream that ``evicts`` the RAM half is a `CompactBuffer` (only
+    the rows it keeps, so its address space follows them, not the stream's age; its views are copies), else a
+    `TokenBuffer` (views). Everything but writing, releasing and loading is the RAM half's."""
 
     def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None,
-                 described: dict | None = None):
+                 described: dict | None = None, evicts: bool = False):
         self.mirror = MappedTokenBuffer(parts, None, prefix, described=described)
         self._ram_only = False  # while loading: the file has the rows already
         # never pinned: its rows are copied to the file synchronously anyway, and pinned rows a stream evicts could
         # not go back to the OS (nor would the slots ahead of its length go uncounted, `nbytes`)
-        super().__init__(parts, None, "cpu", on_replace=on_replace, pin=False)
+        self.ram = (CompactBuffer(parts, on_replace) if evicts
+                    else TokenBuffer(parts, None, "cpu", on_replace=on_replace, pin=False))
+
+    def __getattr__(self, name: str):
+        if name == "ram":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.ram, name)
 
     @property
     def length(self) -> int:
-        return self._length
+        return self.ram.length
 
     @length.setter
     def length(self, value: int) -> None:
-        self._length = value
+        self.ram.length = value
         if not self._ram_only:
             self.mirror.length = value
 
     def write(self, start: int, *parts: torch.Tensor) -> None:
-        super().write(start, *parts)
+        self.ram.write(start, *parts)
         if not self._ram_only:
             self.mirror.write(start, *parts)
 
     def release(self, start: int, end: int) -> None:
-        super().release(start, end)
+        self.ram.release(start, end)
         self.mirror.release(start, end)
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
         self.mirror.load(*parts, released=released)
         self._ram_only = True
         try:
-            super().load(*(part.clone() for part in parts), released=released)
+            self.ram.load(*(part.clone() for part in parts), released=released)
         finally:
             self._ram_only = False
 

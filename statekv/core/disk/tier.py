@@ -181,9 +181,10 @@ class DiskTier:
         return self.manifest[FILE_SET]
 
     def storage(self, index: int, capacity_hint: int | None, on_replace: Callable[[], None],
-                kv_cache_dtype: str | None = None) -> OffloadedStorage:
+                kv_cache_dtype: str | None = None, evicts: bool = False) -> OffloadedStorage:
         """The storage of layer ``index`` (the cache's storage factory): the usual offloaded or quantized storage
-        over this tier's buffers (the segment index mirrored in RAM, everything else only in the files)."""
+        over this tier's buffers (the segment index mirrored in RAM, everything else only in the files); for a
+        stream that ``evicts`` under a cap, the RAM half holds only the segments it keeps."""
         from ..storage.quantized import QuantizedStorage
 
         buffers: dict[str, MappedTokenBuffer | MirroredTokenBuffer] = {}
@@ -192,7 +193,7 @@ class DiskTier:
         def make_buffer(name: str, parts: int, hint: int | None):
             prefix = self.folder / f"layer{index}.{name}"
             owned = {FILE_SET: self.file_set}
-            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned) if name in MIRRORED
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned, evicts) if name in MIRRORED
                              else MappedTokenBuffer(parts, hint, prefix, on_replace, owned))
             return buffers[name]
 

@@ -128,7 +128,8 @@ class StreamingPrefill:
             self.disk = disk_tier or DiskTier.create(settings.offload_dir, name, {
                 "geometry": self.geometry.to_dict(), "policy": repr(policy), "horizon": horizon,
                 "kv_cache_dtype": kv_cache_dtype, "bounded_layout": layout})
-            storage = weakly(self.disk, lambda disk, *args, **kwargs: disk.storage(*args, **kwargs))
+            evicts = settings.cache_cap is not None and settings.cache_cap.evicts
+            storage = weakly(self.disk, lambda disk, *args, **kwargs: disk.storage(*args, evicts=evicts, **kwargs))
             self.tier = StorageTier(torch.device("cpu"), kv_cache_dtype, storage)
         else:
             offload, limit = settings.offload, settings.cache_cap
