@@ -203,3 +203,27 @@ def test_a_disk_tier_streams_segment_index_in_ram_takes_rows_for_what_it_holds(a
         assert layer.storage.segment_index.length == steps // 2
         assert layer.storage.segment_index.capacity <= 4 * held_steps + 4, layer.storage.segment_index.capacity
     assert stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2).numel()
+
+
+def test_an_evicting_int4_stream_reads_its_key_scales_without_a_tensor_of_every_steps_start(adapter, monkeypatch):
+    """Before: reading tokens' key scales searched a tensor of every step's first token, made anew after each step
+    and kept by each layer (8 B a step per layer, for ever); now the steps the tokens lie in alone."""
+    from statekv.core.storage.step_values import StepValues
+
+    stream = tiny_qa(adapter, "recency", **dict(EVICTING, kv_cache_dtype="int4", max_cache_bytes=30_000)).stream()
+    for frame in random_frames(120):
+        stream.push(frame)
+    cache = stream.prefill.cache
+    assert len(cache.chunk_lengths) > 100 and len(cache.chunk_lengths) - len(cache.evicted_steps) < 20
+    made = []
+    tensor = StepValues.tensor
+    monkeypatch.setattr(StepValues, "tensor", lambda values: made.append(len(values)) or tensor(values))
+    last = cache.seen_tokens - 1
+    index = torch.tensor([0, 1, last - 20, last - 1, last])  # the prompt prefix and the last steps
+    first = [layer.storage.read_tokens(index) for layer in cache.layers]
+    assert made == []
+    monkeypatch.setattr(StepValues, "tensor", tensor)
+    for layer, read in zip(cache.layers, first):  # what each token reads, whole tensor or not
+        expected = layer.storage.read_tokens(index[:1]), layer.storage.read_tokens(index[1:])
+        assert all(torch.equal(part, torch.cat([a, b], 2)) for part, a, b in zip(read, *expected))
+    assert stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2).numel()

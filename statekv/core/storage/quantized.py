@@ -14,6 +14,7 @@ step's own attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate, islice
 
@@ -22,6 +23,7 @@ import torch
 from .blocks import BlockBuffer
 from .buffers import TokenBuffer
 from .host_pages import saved
+from .limits import runs
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
 from .step_values import StepValues
 from ...errors import ConfigurationError
@@ -125,7 +127,7 @@ class QuantizedStorage(OffloadedStorage):
         self.offloaded = device is not None
         self._length = 0
         self._starts = StepValues()  # each committed step's first token
-        self._starts_tensor: torch.Tensor | None = None
+        self._starts_tensor: torch.Tensor | None = None  # off the host: every step's start
         self.dtype: torch.dtype | None = None  # the model's
         super().__init__(capacity_hint, device, on_replace, make_buffer or memory_buffers(device, on_replace))
 
@@ -223,10 +225,18 @@ class QuantizedStorage(OffloadedStorage):
         return scales.device if scales.keys is None else scales.keys.device
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
-        """The committed step each token of ``index`` belongs to."""
-        if self._starts_tensor is None or self._starts_tensor.device != index.device:
-            self._starts_tensor = self._starts.tensor().to(index.device)
-        return torch.searchsorted(self._starts_tensor, index, right=True) - 1
+        """The committed step each token of ``index`` belongs to. On the host, searched among the starts of the
+        steps its tokens lie in alone (a stream evicting for weeks reads a few steps, not a tensor of every step's
+        start, which it would keep a step at a time for ever)."""
+        if index.device.type != "cpu" or not index.numel():
+            if self._starts_tensor is None or self._starts_tensor.device != index.device:
+                self._starts_tensor = self._starts.tensor().to(index.device)
+            return torch.searchsorted(self._starts_tensor, index, right=True) - 1
+        steps = sorted({step for first, end in runs(index.unique())
+                        for step in range(bisect_right(self._starts, first) - 1,
+                                          bisect_right(self._starts, end - 1))})
+        starts = torch.tensor([self._starts[step] for step in steps], dtype=torch.long)
+        return torch.tensor(steps, dtype=torch.long)[torch.searchsorted(starts, index, right=True) - 1]
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key_codes, key_scales, value_codes, value_scales = (
