@@ -232,11 +232,16 @@ class QuantizedStorage(OffloadedStorage):
             if self._starts_tensor is None or self._starts_tensor.device != index.device:
                 self._starts_tensor = self._starts.tensor().to(index.device)
             return torch.searchsorted(self._starts_tensor, index, right=True) - 1
-        steps = sorted({step for first, end in runs(index.unique())
-                        for step in range(bisect_right(self._starts, first) - 1,
-                                          bisect_right(self._starts, end - 1))})
-        starts = torch.tensor([self._starts[step] for step in steps], dtype=torch.long)
-        return torch.tensor(steps, dtype=torch.long)[torch.searchsorted(starts, index, right=True) - 1]
+        spans: list[list[int]] = []  # [first step, end step) of the steps the tokens lie in, merged
+        for first, end in runs(index.unique()):
+            low, high = bisect_right(self._starts, first) - 1, bisect_right(self._starts, end - 1)
+            if spans and low <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], high)
+            else:
+                spans.append([low, high])
+        steps = torch.cat([torch.arange(low, high) for low, high in spans])
+        starts = torch.cat([torch.tensor(self._starts[low:high], dtype=torch.long) for low, high in spans])
+        return steps[torch.searchsorted(starts, index, right=True) - 1]
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key_codes, key_scales, value_codes, value_scales = (
