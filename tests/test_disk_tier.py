@@ -81,9 +81,10 @@ def test_nothing_of_the_detailed_cache_is_held_in_ram(adapters, tmp_path):
         detailed = layer.storage.detailed
         assert isinstance(detailed, MappedTokenBuffer) and detailed.length == stream.tokens
         # every token's keys and values are in the layer's files, appended in token order
-        on_disk = sum(os.path.getsize(path) for path in detailed.paths)
+        files = sorted(folder.glob(f"layer{index}.detailed.*.bin"))  # one block of each part, so far
+        assert [p.name for p in files] == [f"layer{index}.detailed.0.0.bin", f"layer{index}.detailed.1.0.bin"]
+        on_disk = sum(os.path.getsize(path) for path in files)
         assert on_disk >= detailed.nbytes == 2 * stream.tokens * detailed.row_bytes
-        assert [p.name for p in detailed.paths] == [f"layer{index}.detailed.0.bin", f"layer{index}.detailed.1.bin"]
         # the step summaries are in files too; in RAM only the segment index, one row per 16 steps
         for summary in (layer.storage.block_keys, layer.storage.step_samples):
             assert isinstance(summary, MappedTokenBuffer) and summary.length == steps
@@ -164,9 +165,9 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
     adapter = adapters["paper"]
     qa = tiny_qa(adapter, offload="disk", offload_dir=tmp_path)
     folder = _disk_stream(adapter, tmp_path / "a")
-    data = bytearray((folder / "layer1.detailed.0.bin").read_bytes())
+    data = bytearray((folder / "layer1.detailed.0.0.bin").read_bytes())
     data[5] ^= 0xFF
-    (folder / "layer1.detailed.0.bin").write_bytes(bytes(data))
+    (folder / "layer1.detailed.0.0.bin").write_bytes(bytes(data))
     _refused(folder, qa, "damaged: step 0's data")
 
     folder = _disk_stream(adapter, tmp_path / "b")
@@ -193,13 +194,14 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
 
     for damage in ("missing", "short"):  # before: either named the layer's other file, ``.0.bin``
         folder = _disk_stream(adapter, tmp_path / f"values {damage}")
-        values = folder / "layer1.detailed.1.bin"
+        values = folder / "layer1.detailed.1.0.bin"  # the values' first block
         if damage == "missing":
             values.unlink()
         else:
             values.write_bytes(b"")
-        _refused(folder, qa, "the disk cache is damaged: layer1.detailed.1.bin " + (
-            "is missing" if damage == "missing" else "holds 0 rows, fewer than the"))
+        _refused(folder, qa, "the disk cache is damaged: " + (  # a block gone was given back, unless a step held it
+            "step 0's data does not match" if damage == "missing" else
+            "layer1.detailed.1.0.bin is shorter than a block"))
         assert values.exists() == (damage == "short")  # not made again by the refused load
 
     folder = _disk_stream(adapter, tmp_path / "f")  # before: reading a pipe waited for a writer, for ever
@@ -360,8 +362,8 @@ def test_int4_on_disk_answers_as_int4_in_memory_and_resumes(adapters, tmp_path, 
         memory.push(frame)
         disk.push(frame)
     names = sorted(path.name for path in disk.prefill.disk.folder.glob("layer0.*.bin"))
-    assert names == ["layer0.key_codes.0.bin", "layer0.key_scales.0.bin", "layer0.step_means.0.bin",
-                     "layer0.step_samples.0.bin", "layer0.value_codes.0.bin", "layer0.value_scales.0.bin"]
+    assert names == ["layer0.key_codes.0.0.bin", "layer0.key_scales.0.0.bin", "layer0.step_means.0.0.bin",
+                     "layer0.step_samples.0.0.bin", "layer0.value_codes.0.0.bin", "layer0.value_scales.0.0.bin"]
     disk.close()
     with pytest.raises(InputError, match="kv_cache_dtype"):  # a file set is resumed as it was stored
         Stream.load(disk.prefill.disk.folder, tiny_qa(adapters["chat"], offload="disk", offload_dir=tmp_path))

@@ -308,7 +308,7 @@ def test_a_file_set_from_another_installation_or_an_earlier_format_is_re_owned(a
     resumed = Stream.load(folder, qa, owner="key-1", stream_id="st_cam")
     assert (resumed.frames, resumed.frames_lost) == (3, 0)
     resumed.close()
-    assert json.loads((folder / "manifest.json").read_text())["version"] == 4
+    assert json.loads((folder / "manifest.json").read_text())["version"] == 5
 
 
 def _damaged(folder: Path, damage: str) -> None:

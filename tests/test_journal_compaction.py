@@ -17,8 +17,8 @@ import statekv
 from statekv import Stream
 from statekv.core.disk.compaction import (COMPACTED, compacted_record, folded_steps, joined, merged_record, runs,
                                           unfolded)
-from statekv.core.disk.files import (MANIFEST, MERGED_RECORDS, compacted_journal, journal_line, read_checked,
-                                     read_file_set, write_checked)
+from statekv.core.disk.files import (FORMAT_VERSION, MANIFEST, MERGED_RECORDS, compacted_journal, journal_line,
+                                     read_checked, read_file_set, write_checked)
 from statekv.errors import InputError
 from statekv.models import load_adapter
 
@@ -111,7 +111,7 @@ def test_an_evicting_disk_tier_stream_keeps_its_journal_bounded_and_resumes_the_
     assert max(sizes[60:]) <= 1.2 * max(sizes[20:60]) < 8_000, sizes
     records = _records(folder)
     assert sum(COMPACTED in record for record in records) == 1 and len(records) < 60
-    assert read_checked(folder / MANIFEST)["version"] == 4
+    assert read_checked(folder / MANIFEST)["version"] == FORMAT_VERSION
     answer = stream.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2)
     frames, step_frames = stream.frames, list(stream.step_frames)
     lengths, carried = list(stream.prefill.cache.chunk_lengths), _carried(stream)
@@ -232,19 +232,19 @@ def test_a_damaged_compacted_record_is_refused_with_one_line(adapter, often, tmp
         assert needle in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_a_format_3_file_set_resumes_and_says_format_4_once_written_to(adapter, often, tmp_path):
+def test_a_format_3_file_set_resumes_and_says_the_current_format_once_written_to(adapter, often, tmp_path):
     """Before an earlier statekv could read it as damaged (a checkpoint it cannot read, a compacted journal)."""
     qa = _evicting(adapter, tmp_path)
     folder = _closed(qa, 10)
     write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 3})  # as statekv wrote before
     resumed = Stream.load(folder, qa)
-    assert read_checked(folder / MANIFEST)["version"] == 4
+    assert read_checked(folder / MANIFEST)["version"] == FORMAT_VERSION
     for frame in random_frames(80, seed=2):
         resumed.push(frame)
     assert sum(COMPACTED in record for record in _records(folder)) == 1
     resumed.close()
-    write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 5})
-    with pytest.raises(InputError, match="format 5; this statekv reads 3 and 4"):
+    write_checked(folder / MANIFEST, {**read_checked(folder / MANIFEST), "version": 6})
+    with pytest.raises(InputError, match="format 6; this statekv reads 3 and 4 and 5"):
         Stream.load(folder, qa)
 
 

@@ -5,14 +5,10 @@ buffer a step appends (`rows_of`) and their checksum (`rows_crc`). See `statekv.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import bisect
 import errno
 import math
-import mmap
 import os
-import platform
-import sys
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -21,20 +17,14 @@ from pathlib import Path
 import torch
 
 from ...errors import InputError, OutputError
+from ...flushing import flush_folder
 from ..storage.buffers import TokenBuffer
 from ..storage.compact import CompactBuffer
 from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
+from .mapping import anonymous, mapped, punch_hole
 
-_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-# named from Python 3.14; Linux's value on x86 and Arm (0: reserved, where it is not known)
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
-    "x86_64", "aarch64", "i686", "armv7l") else 0)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+BLOCK_ALIGN = 1 << 16  # a block file's bytes are a multiple of it: of any page size (4, 16 or 64 KiB) it is mapped at
 
 PER_STEP = ("step_means", "step_samples", "key_scales")  # buffers holding a row per step, not per token
 PER_SEGMENT = ("segment_index",)  # a row per segment of steps (written by the step that completes it)
@@ -42,18 +32,26 @@ MIRRORED = ("segment_index",)  # kept in RAM too (what retrieval ranks segments 
 
 
 class MappedTokenBuffer:
-    """`TokenBuffer`'s interface over files: ``parts`` files ``{prefix}.{p}.bin`` of rows ``[B, H_kv, X]``.
+    """`TokenBuffer`'s interface over files: per part, files of rows ``[B, H_kv, X]`` in blocks of `block_rows`
+    rows, ``{prefix}.{p}.{k}.bin`` holding rows ``[k * block_rows, (k + 1) * block_rows)``.
 
-    ``tensors`` maps the files (copy-on-write, so nothing written through a view reaches them) as
-    ``[B, H_kv, capacity, X]`` views; writes append rows with ``pwrite``. ``nbytes`` counts the committed
-    rows. The capacity grows geometrically by extending the files (sparse until written). A file holds a row for
-    every token streamed, given back or not, so it is mapped without reserving memory for it (``MAP_NORESERVE``):
-    a copy-on-write mapping reserves its whole size, which the kernel refuses once it passes the machine's memory
-    and swap, while only the pages read are ever resident.
+    A block's files are made when its first row is written, and removed once every row of it was given back
+    (`release`; a run given back within a block punches a hole over the whole file system blocks it covers), so a
+    stream that evicts for weeks keeps files of bounded size and number, whatever its age. A file set of format 4
+    (its description records no ``block_rows``) has one file a part, ``{prefix}.{p}.bin``, a row for every token
+    ever streamed: it is read, and continued, as it is. The description stays ``{prefix}.0.bin.json``.
+
+    ``view`` and ``gather`` map the blocks they read (copy-on-write, so nothing written through a view reaches the
+    files; a block given back reads as zeros) without reserving memory for them (``MAP_NORESERVE``: a copy-on-write
+    mapping reserves its whole size, which the kernel refuses once it passes the machine's memory and swap, while
+    only the pages read are ever resident); writes append rows with ``pwrite``. ``nbytes`` counts the committed
+    rows not given back.
     """
 
     GROWTH = 2.0
     MIN_CAPACITY = 64
+    # the bytes of a block file (rounded to `BLOCK_ALIGN`, a whole number of rows); None: one file a part, format 4's
+    BLOCK_BYTES: int | None = 64 << 20
 
     def __init__(self, parts: int, capacity_hint: int | None, prefix: Path,
                  on_replace: Callable[[], None] | None = None, described: dict | None = None):
@@ -61,13 +59,17 @@ class MappedTokenBuffer:
         self.parts, self.capacity_hint, self.on_replace = parts, capacity_hint, on_replace
         self.described = dict(described or {})
         self.device = torch.device("cpu")
-        self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]
+        self.paths = [Path(f"{prefix}.{part}.bin") for part in range(parts)]  # format 4's files; the description's
         self.prefix = Path(prefix)
         self.length = 0
         self.row: tuple[int, int, int] | None = None  # (B, H_kv, X)
         self.dtype: torch.dtype | None = None
+        self.block_rows: int | None = None  # rows per block file (None: format 4's one file a part)
         self._capacity = 0
-        self._fds: list[int] = closed_with(self, [])
+        self._fds: list[int] = closed_with(self, [])  # the files of block `_tail` (format 4: its only files)
+        self._tail: int | None = None
+        self._unsynced: set[int] = set()  # blocks written since the last sync
+        self._made_files = False  # a block file made since the last sync (its name not flushed yet)
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
         self.adopted = False  # opened over rows already there (see load)
         self.released = ReleasedRuns()  # rows given back since it was opened or loaded
@@ -78,17 +80,7 @@ class MappedTokenBuffer:
     def tensors(self) -> list[torch.Tensor] | None:
         if self.row is None or not self._capacity:
             return None
-        b, h, x = self.row
-        try:
-            return [torch.frombuffer(_mapped(path, self._capacity * self.row_bytes), dtype=self.dtype)
-                    .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
-        except (FileNotFoundError, ValueError):  # the file removed, moved or cut short under it
-            raise OutputError(f"cannot read the disk cache in {self.paths[0].parent}: {self.paths[0].name} is "
-                              "missing or shorter than the stream wrote it (the folder was moved, removed or "
-                              "replaced)") from None
-        except OSError as error:
-            raise OutputError(f"cannot map the disk cache in {self.paths[0].parent}: "
-                              f"{error.strerror or error}") from None
+        return list(self.view(0, self._capacity))
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -111,7 +103,7 @@ class MappedTokenBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its rows written, less those given back (holes in its files)."""
+        """Bytes of its rows written, less those given back (holes in its files, or their files removed)."""
         return (self.length - self.released.rows) * self.row_bytes * self.parts
 
     def reserve(self, like: torch.Tensor, needed: int, expected: int = 0) -> bool:
@@ -127,33 +119,56 @@ class MappedTokenBuffer:
     def write(self, start: int, *parts: torch.Tensor) -> None:
         """Append ``[B, H_kv, T, X]`` tensors (from any device) as rows ``[start, start + T)``."""
         self.reserve(parts[0], start + parts[0].shape[2])
-        for fd, part in zip(self._fds, parts):
+        data = []
+        for part in parts:
             rows = part.detach().to("cpu").permute(2, 0, 1, 3).contiguous().reshape(-1).view(torch.uint8).numpy()
-            data = memoryview(rows)
-            self.crc = zlib.crc32(data, self.crc)
-            pwrite_all(fd, data, start * self.row_bytes)
+            data.append(memoryview(rows))
+            self.crc = zlib.crc32(data[-1], self.crc)
+        row, end = self.row_bytes, start + parts[0].shape[2]
+        for block, (first, last) in self._pieces(start, end):
+            fds = self._block_fds(block)
+            self._unsynced.add(block)
+            for fd, rows in zip(fds, data):
+                pwrite_all(fd, rows[(first - start) * row: (last - start) * row], (first - self._first(block)) * row)
 
     def write_at(self, index: torch.Tensor, *parts: torch.Tensor) -> None:
         raise NotImplementedError("a disk-tier buffer is written by appending (write), never on the device")
 
     def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
-        return tuple(t[:, :, start:end] for t in self.tensors)
+        """Rows ``[start, end)``, ``[B, H_kv, end - start, X]`` each (views of the files, mapped afresh)."""
+        if self.block_rows is None:
+            return tuple(t[:, :, start:end] for t in self._mapped_blocks(0, 1))
+        first, last = start // self.block_rows, max(start // self.block_rows + 1, -(-end // self.block_rows))
+        at = first * self.block_rows
+        return tuple(t[:, :, start - at: end - at] for t in self._mapped_blocks(first, last))
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows ``index`` (LongTensor ``[N]``, any device), ``[B, H_kv, N, X]`` each (copies)."""
-        return tuple(t.index_select(2, index.to("cpu")) for t in self.tensors)
+        index = index.to("cpu")
+        if self.block_rows is None:
+            return tuple(t.index_select(2, index) for t in self._mapped_blocks(0, 1))
+        b, h, x = self.row
+        out = tuple(torch.empty(b, h, index.numel(), x, dtype=self.dtype) for _ in range(self.parts))
+        blocks = index.div(self.block_rows, rounding_mode="floor")
+        for block in blocks.unique().tolist():  # each block mapped alone: never the stream's whole history
+            where = (blocks == block).nonzero().squeeze(1)
+            for rows, mapped in zip(out, self._mapped_blocks(block, block + 1)):
+                rows[:, :, where] = mapped.index_select(2, index[where] - block * self.block_rows)
+        return out
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
-        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are rewritten from empty; with
-        ``released`` runs, see `TokenBuffer.load`, only the other rows are written: the released ones are holes),
-        except just after `open` adopted that many rows already there (resuming: ``parts`` are their views)."""
+        """Replace the contents with ``parts`` ``[B, H_kv, length, X]`` (the files are removed and written anew, in
+        blocks; with ``released`` runs, see `TokenBuffer.load`, only the other rows are written: a block of released
+        rows alone is never made), except just after `open` adopted that many rows already there (resuming:
+        ``parts`` are their views)."""
         if self.adopted and parts[0].shape[2] == self.length and not released:
             self.adopted = False
             return
         if self.row is not None:
-            for fd in self._fds:
-                os.ftruncate(fd, 0)
+            row, dtype = self.row, self.dtype
+            self.close()
             self._capacity = 0
+            self.open(row, dtype)  # every file of the buffer removed, its description written anew
         self.length = 0
         self.crc = 0
         self.released = ReleasedRuns()
@@ -166,37 +181,193 @@ class MappedTokenBuffer:
         """Writes are synchronous (``pwrite``): nothing to wait for."""
 
     # -- the disk's own ---------------------------------------------------------------------------------------
-    def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0) -> None:
-        """Open (creating if needed) the files for rows ``row`` of ``dtype``; ``length`` rows already there are
-        committed (resuming). Nothing is written since: `crc` starts again (a step the disk refused part of is
-        undone by reopening, and its retry is checked against what it writes then)."""
+    def open(self, row: tuple[int, int, int], dtype: torch.dtype, length: int = 0, *,
+             block_rows: int | None = None) -> None:
+        """Open the files for rows ``row`` of ``dtype``: new (``length`` 0: the buffer's files are removed and its
+        description written, in blocks unless `BLOCK_BYTES` is None), or with ``length`` rows already there,
+        committed (resuming), in blocks of ``block_rows`` (what its description records; None: format 4's one file
+        a part). Nothing is written since: `crc` starts again (a step the disk refused part of is undone by
+        reopening, and its retry is checked against what it writes then)."""
         row = tuple(int(n) for n in row)
+        self.row, self.dtype = row, dtype
+        if not length:
+            block_rows = self._rows_per_block()
+        self.block_rows = block_rows
         fds: list[int] = []
         try:
             if not length:  # what a resumed stream reopens the files as
-                write_checked(Path(f"{self.paths[0]}.json"), {"row": list(row), **self.described,
-                                                            "dtype": str(dtype).removeprefix("torch.")})
-            for path in self.paths:
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+                self._remove_files()
+                write_checked(Path(f"{self.paths[0]}.json"), {
+                    "row": list(row), **self.described, "dtype": str(dtype).removeprefix("torch."),
+                    **({} if block_rows is None else {"block_rows": block_rows})})
+            if block_rows is None:
+                for path in self.paths:
+                    fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+            self._block = os.stat(self.prefix.parent).st_blksize or 4096  # the file system's (what a hole frees)
         except OSError as error:  # not opened: the next write opens it again
             for fd in fds:
                 os.close(fd)
+            self.row = None
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
                               f"{error.strerror or error}") from None
-        self.row, self.dtype, self.length, self.adopted = row, dtype, length, length > 0
+        self.length, self.adopted = length, length > 0
         self.released, self.crc = ReleasedRuns(), 0
+        self._unsynced, self._made_files = set(), False
+        if block_rows is None:
+            self._fds.extend(fds)
+            self._tail = 0
+            sizes = [os.fstat(fd).st_size for fd in self._fds]
+            self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
+            if self._capacity < length:
+                short, _ = min(zip(self.paths, sizes), key=lambda pair: pair[1])
+                raise InputError(f"{short.parent}: the disk cache is damaged: {short.name} holds {self._capacity} "
+                                 f"rows, fewer than the {length} its journal lists")
+            return
+        if type(block_rows) is not int or block_rows < 1 or block_rows * self.row_bytes % BLOCK_ALIGN:
+            raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {self.paths[0].name}.json records "
+                             f"blocks of {block_rows!r} rows")
+        blocks = -(-length // block_rows)
+        self._capacity = blocks * block_rows
+        # a block whose files are gone, or some of them (a kill while they were removed), was given back whole: a
+        # held row lost with it fails its step's checksum
+        at = 0
+        for block, sizes in sorted(self._present_blocks().items()):
+            if block >= blocks:
+                break
+            if len(sizes) < self.parts:
+                continue
+            if at < block:
+                self.released.add(at * block_rows, block * block_rows)
+            at = block + 1
+            if min(sizes.values()) < block_rows * self.row_bytes:
+                short = self._path(min(sizes, key=sizes.get), block).name
+                raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than a block")
+        if at < blocks:
+            self.released.add(at * block_rows, length)
+
+    def _rows_per_block(self) -> int | None:
+        """Rows of a new block: `BLOCK_BYTES` rounded to a whole number of rows and of `BLOCK_ALIGN` bytes."""
+        if self.BLOCK_BYTES is None:
+            return None
+        unit = BLOCK_ALIGN // math.gcd(self.row_bytes, BLOCK_ALIGN)  # rows of a multiple of BLOCK_ALIGN bytes
+        return unit * max(1, self.BLOCK_BYTES // max(1, unit * self.row_bytes))
+
+    def _path(self, part: int, block: int) -> Path:
+        return self.paths[part] if self.block_rows is None else Path(f"{self.prefix}.{part}.{block}.bin")
+
+    def _first(self, block: int) -> int:
+        """Block ``block``'s first row."""
+        return 0 if self.block_rows is None else block * self.block_rows
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, tuple[int, int]]]:
+        """Rows ``[start, end)`` cut at the blocks' bounds: ``(block, (first, last))``."""
+        if self.block_rows is None:
+            return [(0, (start, end))] if end > start else []
+        size = self.block_rows
+        return [(block, (max(start, block * size), min(end, (block + 1) * size)))
+                for block in range(start // size, -(-end // size))]
+
+    def _present_blocks(self) -> dict[int, dict[int, int]]:
+        """The block files there are of this buffer: by block, by part, their sizes."""
+        found: dict[int, dict[int, int]] = {}
+        stem = self.prefix.name + "."
+        try:
+            entries = list(os.scandir(self.prefix.parent))
+        except OSError:
+            return found
+        for entry in entries:
+            name = entry.name
+            if not (name.startswith(stem) and name.endswith(".bin")):
+                continue
+            fields = name[len(stem):-4].split(".")
+            if len(fields) == 2 and all(f.isascii() and f.isdigit() for f in fields) and int(fields[0]) < self.parts:
+                try:
+                    found.setdefault(int(fields[1]), {})[int(fields[0])] = entry.stat().st_size
+                except OSError:
+                    pass
+        return found
+
+    def _remove_files(self) -> None:
+        """Remove every file of this buffer (a new one starts from none)."""
+        close_all(self._fds)
+        self._tail = None
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+        for block, sizes in self._present_blocks().items():
+            for part in sizes:
+                Path(f"{self.prefix}.{part}.{block}.bin").unlink(missing_ok=True)
+
+    def _block_fds(self, block: int) -> list[int]:
+        """The files of block ``block``, one a part, open for writing (made, a block long, if they are not)."""
+        if self._tail == block and self._fds:
+            return self._fds
+        close_all(self._fds)
+        self._tail = None
+        fds: list[int] = []
+        size = self.block_rows * self.row_bytes
+        try:
+            for part in range(self.parts):
+                fds.append(os.open(self._path(part, block), os.O_RDWR | os.O_CREAT, 0o644))
+                if os.fstat(fds[-1]).st_size < size:
+                    os.ftruncate(fds[-1], size)  # sparse until written
+                    self._made_files = True
+        except OSError as error:
+            close_all(fds)
+            raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
+                              f"{error.strerror or error}") from None
         self._fds.extend(fds)
-        sizes = [os.fstat(fd).st_size for fd in self._fds]
-        self._block = os.fstat(self._fds[0]).st_blksize or 4096  # the file system's block (what a hole frees)
-        self._capacity = min(sizes) // self.row_bytes if self.row_bytes else 0
-        if self._capacity < length:
-            short, _ = min(zip(self.paths, sizes), key=lambda pair: pair[1])
-            raise InputError(f"{short.parent}: the disk cache is damaged: {short.name} holds {self._capacity} rows, "
-                             f"fewer than the {length} its journal lists")
+        self._tail = block
+        return self._fds
+
+    def _released_whole(self, block: int) -> bool:
+        """Whether every row of block ``block`` was written and given back."""
+        end = (block + 1) * self.block_rows
+        return end <= self.length and self._given_back(block * self.block_rows, end)
+
+    def _given_back(self, start: int, end: int) -> bool:
+        """Whether rows ``[start, end)`` were all given back."""
+        runs = self.released
+        at = bisect.bisect_right(runs.starts, start) - 1
+        return at >= 0 and runs.ends[at] >= end
+
+    def _mapped_blocks(self, first: int, last: int) -> list[torch.Tensor]:
+        """Blocks ``[first, last)`` mapped as one run of rows, per part ``[B, H_kv, rows, X]``: a block given back,
+        or not written yet, reads as zeros (format 4: its one file, `capacity` rows)."""
+        b, h, x = self.row
+        where = self.paths[0].parent
+        try:
+            if self.block_rows is None:
+                return [torch.frombuffer(mapped(path, self._capacity * self.row_bytes), dtype=self.dtype)
+                        .view(self._capacity, b, h, x).permute(1, 2, 0, 3) for path in self.paths]
+            size = self.block_rows * self.row_bytes
+            tensors = []
+            for part in range(self.parts):
+                region = anonymous((last - first) * size)
+                for block in range(first, last):
+                    if self._released_whole(block):
+                        continue  # its files are gone: zeros
+                    path, start = self._path(part, block), block * self.block_rows
+                    held = start < self.length and not self._given_back(start, min(start + self.block_rows,
+                                                                                    self.length))
+                    if held or path.exists():  # else gone (given back after a checkpoint resumed) or not written
+                        mapped(path, size, region, (block - first) * size)
+                tensors.append(torch.frombuffer(region, dtype=self.dtype)
+                               .view((last - first) * self.block_rows, b, h, x).permute(1, 2, 0, 3))
+            return tensors
+        except (FileNotFoundError, ValueError):  # the file removed, moved or cut short under it
+            raise OutputError(f"cannot read the disk cache in {where}: {self.paths[0].name} or a block of it is "
+                              "missing or shorter than the stream wrote it (the folder was moved, removed or "
+                              "replaced)") from None
+        except OSError as error:
+            raise OutputError(f"cannot map the disk cache in {where}: {error.strerror or error}") from None
 
     def _grow(self, capacity: int, needed: int) -> None:
-        """Extend the files to ``capacity`` rows; where the file system refuses a file that large (``EFBIG``: past
-        its largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least (found by bisection)."""
+        """Room for ``capacity`` rows. In blocks, nothing is made (a block's files are made as it is first written);
+        format 4's files are extended, or where the file system refuses a file that large (``EFBIG``: past its
+        largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least (found by bisection)."""
+        if self.block_rows is not None:
+            self._capacity = -(-capacity // self.block_rows) * self.block_rows
+            return
         taken, refused, size = self._capacity, None, capacity
         while True:
             try:
@@ -210,8 +381,9 @@ class MappedTokenBuffer:
                 if size <= needed:
                     raise OutputError(
                         f"cannot grow the disk cache in {self.paths[0].parent}: {self.paths[0].name} would pass the "
-                        f"largest file its file system allows ({error.strerror}); a disk-tier file keeps a row for "
-                        "every token of the stream, evicted or not (ext4 allows 16 TiB, XFS far more)") from None
+                        f"largest file its file system allows ({error.strerror}); a disk-tier file of format 4 keeps "
+                        "a row for every token of the stream, evicted or not (ext4 allows 16 TiB, XFS far more)"
+                    ) from None
                 refused = size
             if refused is None or (taken >= needed and refused - taken <= 1):
                 break
@@ -222,47 +394,97 @@ class MappedTokenBuffer:
         self._capacity = taken
 
     def read_rows(self, start: int, end: int) -> list[bytes]:
-        """The raw bytes of rows ``[start, end)`` of each part (for verifying checksums)."""
-        return [os.pread(fd, (end - start) * self.row_bytes, start * self.row_bytes) for fd in self._fds]
+        """The raw bytes of rows ``[start, end)`` of each part (for verifying checksums; a block whose files are
+        gone reads as zeros)."""
+        row, out = self.row_bytes, [b""] * self.parts
+        for block, (first, last) in self._pieces(start, end):
+            offset, count = (first - self._first(block)) * row, (last - first) * row
+            for part in range(self.parts):
+                if block == self._tail and self._fds:
+                    data = os.pread(self._fds[part], count, offset)
+                else:
+                    try:
+                        fd = os.open(self._path(part, block), os.O_RDONLY)
+                    except FileNotFoundError:
+                        data = bytes(count)
+                    else:
+                        try:
+                            data = os.pread(fd, count, offset)
+                        finally:
+                            os.close(fd)
+                out[part] += data
+        return out
 
     def release(self, start: int, end: int) -> None:
-        """Give rows ``[start, end)`` back to the file system (they then read as zeros). A row is smaller than a
-        block, so the hole punched reaches into the rows released before them (`ReleasedRuns` merges them), to
-        cover the whole blocks they now fill."""
+        """Give rows ``[start, end)`` back to the file system (they then read as zeros): a block every row of which
+        is given back has its files removed; else, a row being smaller than a file system block, the hole punched
+        reaches into the rows released before them (`ReleasedRuns` merges them), to cover the whole blocks they now
+        fill."""
         run_start, run_end = self.released.add(start, end)
-        row, block = self.row_bytes, self._block
-        low = max(run_start * row, start * row // block * block)
-        high = min(run_end * row, -(-end * row // block) * block)
-        for fd in self._fds:
-            if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, ctypes.c_long(low), ctypes.c_long(high - low)) != 0:
-                pwrite_all(fd, memoryview(bytes((end - start) * row)), start * row)  # no hole punching: zeros
+        row, block_bytes = self.row_bytes, self._block
+        for block, (first, last) in self._pieces(start, end):
+            if self.block_rows is not None and self._released_whole(block):
+                self._drop(block)
+                continue
+            base = self._first(block) * row
+            low = max(run_start * row, first * row // block_bytes * block_bytes, base)
+            high = min(run_end * row, -(-last * row // block_bytes) * block_bytes)
+            if self.block_rows is not None:
+                high = min(high, base + self.block_rows * row)
+            for part in range(self.parts):
+                try:
+                    fd = self._fds[part] if block == self._tail and self._fds else \
+                        os.open(self._path(part, block), os.O_WRONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    if not punch_hole(fd, low - base, high - low):  # no hole punching: zeros
+                        pwrite_all(fd, memoryview(bytes((last - first) * row)), first * row - base)
+                finally:
+                    if fd not in self._fds:
+                        os.close(fd)
+
+    def _drop(self, block: int) -> None:
+        """Remove block ``block``'s files (every row of it given back; journaled before, so a kill leaves it
+        evicted, whether the files are gone or not)."""
+        if block == self._tail:
+            close_all(self._fds)
+            self._tail = None
+        self._unsynced.discard(block)
+        for part in range(self.parts):
+            try:
+                self._path(part, block).unlink(missing_ok=True)
+            except OSError:
+                pass  # left as it is: its rows are never read again
 
     def sync(self) -> None:
-        for fd in self._fds:
-            os.fsync(fd)
+        """Force the rows written so far to the device, and the names of the block files made."""
+        if self.block_rows is None:
+            for fd in self._fds:
+                os.fsync(fd)
+            return
+        for block in sorted(self._unsynced):
+            if block == self._tail and self._fds:
+                for fd in self._fds:
+                    os.fsync(fd)
+                continue
+            for part in range(self.parts):
+                try:
+                    fd = os.open(self._path(part, block), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self._unsynced = set()
+        if self._made_files:  # the new files' names too
+            flush_folder(self.prefix.parent, strict=True)
+            self._made_files = False
 
     def close(self) -> None:
         close_all(self._fds)
-
-
-def _mapped(path: Path, size: int) -> ctypes.Array:
-    """The first ``size`` bytes of ``path`` mapped copy-on-write without reserving memory for them, unmapped once
-    nothing refers to them. Mapped with libc: Python's `mmap` holds a duplicate of the file's descriptor while a
-    mapping lives, and a save reads a buffer through as many views as it has runs of kept rows."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if os.fstat(fd).st_size < size:
-            raise ValueError(f"{path} is shorter than {size} bytes")
-        address = _libc.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | _MAP_NORESERVE, fd, ctypes.c_long(0))
-    finally:
-        os.close(fd)  # the mapping outlives it
-    if address in (None, _MAP_FAILED):
-        error = ctypes.get_errno()
-        raise OSError(error, os.strerror(error))
-    view = (ctypes.c_char * size).from_address(address)
-    weakref.finalize(view, _libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size)).atexit = False
-    return view
+        self._tail = None
 
 
 def close_all(fds: list[int]) -> None:

@@ -28,10 +28,11 @@ from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joi
                          merged_record, record_pieces)
 
 FORMAT = "statekv-disk-cache"
-# 4: its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its files not bound to each other
-# (no file_set); 1: the carried state journaled every step
-FORMAT_VERSION = 4
-READ_VERSIONS = (3, FORMAT_VERSION)
+# 5: its layers' files in blocks (`statekv.core.disk.buffers`); 4: one file a part, a row for every token ever
+# streamed (read, and continued so); its journal may be compacted (`statekv.core.disk.compaction`); 3: not; 2: its
+# files not bound to each other (no file_set); 1: the carried state journaled every step
+FORMAT_VERSION = 5
+READ_VERSIONS = (3, 4, FORMAT_VERSION)
 MERGED_RECORDS = 8  # compacted records kept side by side before they are merged into one (`merged_record`)
 FILE_SET = "file_set"  # the field naming the file set a description or the journal's first record belongs to
 MANIFEST = "manifest.json"

@@ -45,12 +45,13 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
                 continue  # never written (the segment index before its first segment)
             shape = read_checked(described)
             check_file_set(where, described.name, shape, tier.file_set)
-            missing = [path for path in mapped.paths if not path.is_file()]
+            blocks = shape.get("block_rows")  # None: one file a part (format 4), whose rows are all there
+            missing = [path for path in mapped.paths if not path.is_file()] if blocks is None else []
             if missing and int(sizes.get(name, 0) or 0):  # rows the journal lists: not made again empty
                 raise InputError(f"{where}: the disk cache is damaged: {missing[0].name} is missing")
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
-                mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]))
+                mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]), block_rows=blocks)
             except InputError:
                 raise  # names the file
             except (OSError, ValueError, KeyError, TypeError, AttributeError):

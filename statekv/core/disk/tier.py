@@ -1,12 +1,14 @@
 """The disk tier of the detailed cache: one stream's keys and values in an append-only, memory-mapped file set.
 
 A stream streamed with ``offload="disk"`` owns a folder (`DiskTier`) holding, per layer, its keys and values
-(``layer{i}.detailed.0.bin``, ``layer{i}.detailed.1.bin``; quantized: its codes and scales), its step summaries
-(``layer{i}.step_means.0.bin``, ``layer{i}.step_samples.0.bin``) and its segment index
-(``layer{i}.segment_index.0.bin``), each a `MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token (step, segment)
-order, so the files only grow and nothing written is rewritten. The layer's storage is the usual offloaded (or
-quantized) one over these buffers (the storages' ``make_buffer`` factory): a step stages its chunk on the model's
-device and its data is appended when it commits. Only the segment index (one row per `SEGMENT_STEPS` steps, what
+(``layer{i}.detailed.0.{k}.bin``, ``layer{i}.detailed.1.{k}.bin``; quantized: its codes and scales), its step
+summaries (``layer{i}.step_means.0.{k}.bin``, ``layer{i}.step_samples.0.{k}.bin``) and its segment index
+(``layer{i}.segment_index.0.{k}.bin``), each a `MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token (step,
+segment) order, in files of a block of rows each (block ``k``; format 4: one file a part,
+``layer{i}.detailed.0.bin``), appended, so nothing written is rewritten; a block's files are removed once every row
+of it was given back. The layer's storage is the usual offloaded (or quantized) one over these buffers (the
+storages' ``make_buffer`` factory): a step stages its chunk on the model's device and its data is appended when it
+commits. Only the segment index (one row per `SEGMENT_STEPS` steps, what
 retrieval ranks segments by) is also kept in RAM (`MirroredTokenBuffer`); the step summaries are read from the
 files, for the steps a question scores. Reads map the files afresh each time, so what a question reads is
 resident only while the question holds it.

@@ -1,0 +1,162 @@
+"""A disk-tier stream's files in blocks of rows: a stream that evicts for weeks keeps files of bounded number and
+size (before: one file a part, a row for every token ever streamed, refused at its file system's largest file), it
+answers and resumes as before, and a file set of format 4 (one file a part) still loads and resumes."""
+
+from __future__ import annotations
+
+import mmap
+import resource
+import signal
+
+import pytest
+import torch
+
+import statekv.core.disk.buffers as buffers
+from statekv import Stream
+from statekv.core.disk.buffers import MappedTokenBuffer
+from statekv.core.disk.files import read_checked, write_checked
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+QUESTION = "Why?"
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of one page (the smallest a block may be), so a short stream fills many."""
+    monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
+    monkeypatch.setattr(MappedTokenBuffer, "BLOCK_BYTES", 1)
+
+
+def _files(folder, pattern="layer*.bin"):
+    return {path.name: path.stat().st_size for path in folder.glob(pattern)}
+
+
+def test_a_buffer_that_gives_rows_back_keeps_bounded_files_past_the_largest_file(tmp_path, small_blocks):
+    """Rows are appended and the oldest given back, for ten times the rows the largest file holds: the files stay
+    a few blocks, each a block long; the rows kept read back, also reopened as a resumed stream reopens them."""
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(256, dtype=torch.float32).view(1, 1, 1, 256)  # a row of 1 KiB
+    block = mmap.PAGESIZE // 1024  # rows a block (given back a row at a time: holes, then the files removed)
+    kept, seen = 3 * block, []
+    try:
+        buffer.write(0, rows, -rows)
+        buffer.length = 1
+        assert buffer.block_rows == block
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 * block * buffer.row_bytes, before[1]))
+        for row in range(1, 40 * block):
+            buffer.write(row, rows + row, -rows - row)
+            buffer.length = row + 1
+            if row >= kept:
+                buffer.release(row - kept, row - kept + 1)
+            files = _files(tmp_path)
+            seen.append(len(files))
+            assert set(files.values()) == {block * buffer.row_bytes}
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert max(seen) <= 2 * (kept // block + 2) and max(seen[len(seen) // 2:]) == max(seen[: len(seen) // 2])
+    length = buffer.length
+    keys, values = buffer.view(length - kept, length)
+    expected = rows + torch.arange(length - kept, length, dtype=torch.float32).view(1, 1, -1, 1)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert not buffer.view(0, length - kept)[0].any()  # given back: zeros, the files gone
+    buffer.close()
+    again = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    again.open((1, 1, 256), torch.float32, length, block_rows=block)
+    assert torch.equal(again.gather(torch.tensor([length - 1, length - kept]))[1], -expected[:, :, [-1, 0]])
+    assert not again.gather(torch.tensor([0, block]))[0].any()
+    again.close()
+
+
+def _evicting(adapter, folder, policy="statekv"):
+    qa = tiny_qa(adapter, policy, offload="disk", offload_dir=folder, max_cache_bytes=120_000,
+                 cache_limit="evict-oldest")
+    return qa, qa.stream()
+
+
+@pytest.mark.parametrize("policy", ["recency", "statekv"])
+def test_an_evicting_stream_in_blocks_keeps_bounded_files_and_answers_as_before(adapter, tmp_path, small_blocks,
+                                                                                monkeypatch, policy):
+    """The same evicting stream, its files in blocks and in format 4's one file a part: the same evictions and
+    answers; in blocks its files stop growing in number and size once it evicts (what it carries of its evicted
+    steps stays), and it resumes from its folder as the stream that never stopped goes on."""
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    frames = random_frames(80)
+    qa, blocks = _evicting(adapter, tmp_path / "blocks", policy)
+    counts, widest = {}, 0
+    for number, frame in enumerate(frames):
+        blocks.push(frame)
+        files = _files(blocks.prefill.disk.folder)
+        counts[number], widest = len(files), max(widest, *files.values())
+    block = max(getattr(buffer, "mirror", buffer).block_rows * getattr(buffer, "mirror", buffer).row_bytes
+                for layer in blocks.prefill.disk.buffers for buffer in layer.values())
+    assert len(blocks.prefill.cache.evicted_steps) > 50 and widest <= block  # no file ever longer than a block
+    layers = len(blocks.prefill.cache.layers)
+    settled = 40 if policy == "recency" else 60  # what a layer carries of its evicted steps: in a few blocks
+    assert max(counts[n] for n in range(settled, 80)) <= counts[settled] + 2 * layers, counts
+    with monkeypatch.context() as old:
+        old.setattr(MappedTokenBuffer, "BLOCK_BYTES", None)
+        _, single = _evicting(adapter, tmp_path / "single", policy)
+        for frame in frames:
+            single.push(frame)
+    assert len(_files(single.prefill.disk.folder, "layer0.*.bin")) == 5  # one file a part, as before
+    assert single.prefill.cache.evicted_steps == blocks.prefill.cache.evicted_steps
+    answer = blocks.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2)
+    assert torch.equal(answer, single.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
+    single.close()
+    blocks.close()
+    _, stopped = _evicting(adapter, tmp_path / "stopped", policy)
+    for frame in frames[:50]:
+        stopped.push(frame)
+    stopped.close()
+    resumed = Stream.load(stopped.prefill.disk.folder, qa)
+    for frame in frames[50:]:
+        resumed.push(frame)
+    assert resumed.prefill.cache.evicted_steps == blocks.prefill.cache.evicted_steps
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2), answer)
+    assert len(_files(resumed.prefill.disk.folder)) <= counts[settled] + 2 * layers
+    resumed.close()
+
+
+def test_a_format_4_file_set_loads_resumes_and_goes_on_alike(adapter, tmp_path, monkeypatch):
+    """A file set written one file a part (format 4, what statekv wrote before blocks) is resumed from where it
+    stopped and goes on, in its own files, as the stream that never stopped."""
+    import statekv.core.disk.tier as tier
+
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+    frames = random_frames(60)
+    qa, whole = _evicting(adapter, tmp_path / "whole")
+    for frame in frames:
+        whole.push(frame)
+    with monkeypatch.context() as old:
+        old.setattr(MappedTokenBuffer, "BLOCK_BYTES", None)
+        _, stopped = _evicting(adapter, tmp_path / "old")
+        for frame in frames[:35]:
+            stopped.push(frame)
+        stopped.close()
+    folder = stopped.prefill.disk.folder
+    manifest = read_checked(folder / "manifest.json")
+    write_checked(folder / "manifest.json", {**manifest, "version": 4})
+    before = (folder / "layer0.detailed.0.bin").stat().st_size
+    resumed = Stream.load(folder, qa)
+    assert resumed.frames == 35
+    for frame in frames[35:]:
+        resumed.push(frame)
+    assert (folder / "layer0.detailed.0.bin").stat().st_size > before  # its own file, continued
+    assert not list(folder.glob("layer0.detailed.0.*.bin"))
+    assert resumed.prefill.cache.evicted_steps == whole.prefill.cache.evicted_steps
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2),
+                       whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
+    resumed.close()
+    whole.close()
