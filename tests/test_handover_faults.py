@@ -213,3 +213,27 @@ def test_a_disk_full_for_good_backs_the_replay_off_then_drops_the_successor(chec
     stream.close()
     with Stream.load(folder, qa) as resumed:
         assert resumed.frames == 60 and resumed.frames_lost == 0
+
+
+def test_a_handover_the_disk_refuses_for_good_backs_off_then_drops_the_successor(checkpoint, tmp_path, monkeypatch):
+    """Before: a handover the disk refused was tried again at every push for good (the step replayed before each
+    try counted as a success, so its refusals never added up to `PUT_OFF_TRIES`); now its tries back off as a
+    refused replay's do, and `PUT_OFF_TRIES` of them drop the successor, the stream losing no frame."""
+    from statekv.api.durability import Durability
+    from statekv.api.handover import PUT_OFF_TRIES
+    from statekv.errors import OutputError
+
+    frames = random_frames(60, seed=3, height=32, width=32)
+    stream = pushed(on_disk(checkpoint, tmp_path), frames[:3])
+    refused = []
+
+    def full(*args, **kwargs):
+        refused.append(stream.frames)
+        raise OutputError("cannot write the disk cache: No space left on device")
+    monkeypatch.setattr(Durability, "hand_over", full)
+    for frame in frames[3:]:
+        stream.push(frame)
+    assert len(refused) == PUT_OFF_TRIES and refused[-1] - refused[0] == 2 ** (PUT_OFF_TRIES - 1) - 1, refused
+    assert stream.handover.startswith(f"alone: the disk refused its handover {PUT_OFF_TRIES} times in a row")
+    assert stream.successor is None and stream.frames == 60
+    stream.close()

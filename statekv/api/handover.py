@@ -232,6 +232,8 @@ class Backlog:
         self.refusals = 0  # replays the disk refused in a row (`refused`), the first at ``added`` = ``refused_at``
         self.refused_at = 0
         self.retry_at = 0  # ``added`` at which a replay the disk refused is tried again (`retry_due`)
+        self.handover_refused = False  # the disk refused the handover itself, which a step replayed since does not
+        # make likelier to go through: its refusals in a row go on counting
 
     def add(self, inputs_embeds: torch.Tensor | StoredStep, record: dict | None = None) -> None:
         """Keep one streamed step's embeddings (copied when they are a view of a larger tensor, which a kept
@@ -256,7 +258,8 @@ class Backlog:
         self.nbytes -= self.steps.popleft().nbytes
         self.records.popleft()
         self.short_at = None
-        self.refusals, self.retry_at = 0, 0
+        if not self.handover_refused:
+            self.refusals, self.retry_at = 0, 0
 
     def refused(self) -> bool:
         """The replay (or the handover after it) was refused by the disk: whether it is put off, to be tried again
@@ -264,6 +267,7 @@ class Backlog:
         `PUT_OFF_TRIES` refusals in a row."""
         if not self.refusals:
             self.refused_at = self.added
+        self.handover_refused = self.handover_refused or not self.steps  # nothing left to replay: the handover's
         self.refusals += 1
         self.retry_at = self.added + 2 ** (self.refusals - 1)
         return self.refusals < PUT_OFF_TRIES
@@ -278,8 +282,8 @@ class Backlog:
         refusal in a row, or a fault its next try would meet again."""
         if self.refusals < PUT_OFF_TRIES:
             return f"the successor's step failed ({fault})"
-        return (f"the disk refused its replay {self.refusals} times in a row over {self.added - self.refused_at} "
-                f"steps ({refusal_reason(fault)})")
+        return (f"the disk refused its {'handover' if self.handover_refused else 'replay'} {self.refusals} times in "
+                f"a row over {self.added - self.refused_at} steps ({refusal_reason(fault)})")
 
     @property
     def spans(self) -> list[int]:
