@@ -192,3 +192,18 @@ def test_a_capped_stream_refuses_a_watch_whose_retrieval_would_not_fit_past_the_
     small.flush()
     assert watch.error is None and watch.evaluations == len(images) and small.prefill.positions.moved
     small.close()
+
+
+def test_a_capped_stream_opens_a_watch_whose_retrieval_reads_every_held_step_and_fits(qa, images):
+    """Before: the cap's steps were counted at the visual tokens of a frame alone, not the text labelling it in each
+    step, so a cap holding as many steps as fit past the range counted one more and refused a watch whose every
+    evaluation reads every held step and fits."""
+    capped = qa.with_options(max_cache_bytes=41_000, cache_limit="evict-oldest", offload=True).stream()
+    capped.push(images[0])
+    capped.push(images[1])
+    watch = capped.watch("Why?", retrieve=30, max_new_tokens=2, steer=False, every=1)
+    for image in images[2:]:
+        capped.push(image)
+    capped.flush()
+    assert watch.error is None and watch.evaluations == len(images) - 1 and capped.prefill.positions.moved
+    capped.close()

@@ -69,12 +69,17 @@ def check_retrieval_fits(prefill, room: int, retrieval: Retrieval, least_span: i
 
 
 def most_held(prefill, least_span: int) -> int | float:
-    """The most steps of at least ``least_span`` tokens ``prefill``'s cache cap can hold (each costs its tokens and
-    its own bytes, `CacheKeeper`): what a retrieval of more reads at most (inf: no cap)."""
+    """The most steps ``prefill``'s cache cap can hold (each costs its tokens and its own bytes, its journal's share
+    on the disk tier, `CacheKeeper`): what a retrieval of more reads at most (inf: no cap). A step takes at least
+    ``least_span`` tokens, and as many as the shortest streamed after the first (which may hold the prompt prefix):
+    ``least_span`` counts a frame's visual tokens, not the text that labels it in every step."""
     keeper = prefill.keeper
     if keeper is None:
         return float("inf")
-    return keeper.limit.max_bytes // max(least_span * keeper.bytes_per_token + keeper.bytes_per_step, 1)
+    lengths = prefill.cache.chunk_lengths
+    tokens = max(least_span, min(lengths[1:], default=0))
+    return keeper.limit.max_bytes // max(tokens * keeper.bytes_per_token + keeper.bytes_per_step
+                                         + keeper.step_other_bytes, 1)
 
 
 def most_carried(prefill, carried: int) -> int:
