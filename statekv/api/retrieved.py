@@ -3,6 +3,7 @@ steps (two frames each for Qwen3-VL, whose last step of an odd frame count holds
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -47,6 +48,6 @@ def held_frames(video: Any, keep_tokens: int) -> int:
     """The frames ``video``'s engine still holds in the steps after those wholly inside its first ``keep_tokens``
     tokens (the prompt prefix and sinks): what a retrieval of every held step reads."""
     cache = video.prefill.cache
-    first = int(torch.searchsorted(cache.step_starts()[1:], keep_tokens, right=True))
+    first = bisect.bisect_right(cache.starts, keep_tokens, lo=1) - 1  # steps wholly inside the kept tokens
     frames = video.step_frames.tensor()[first:]
     return int(frames[~cache.evicted_steps.mask(first + len(frames))[first:]].sum())

@@ -128,7 +128,7 @@ def _tokens_at(stream: Any, frames: int) -> int:
     """The tokens the stream had streamed once it had encoded ``frames`` frames (at the end of the last step that
     ends at or before them)."""
     steps = int(torch.searchsorted(stream.step_frames.totals(), torch.tensor(frames), right=True)) - 1
-    return int(stream.prefill.cache.step_starts()[steps])
+    return stream.prefill.cache.starts[steps]
 
 
 def _check_queries(queries: list[torch.Tensor], length: int, stream: Any, name: str) -> None:

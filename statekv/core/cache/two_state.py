@@ -93,10 +93,21 @@ class TwoStateCache(Cache):
     @chunk_lengths.setter
     def chunk_lengths(self, lengths: Sequence[int]) -> None:
         self._lengths = StepValues(lengths)
-        # each step's first token, then the end, and their tensor (its first ``filled`` entries valid): rebuilt
-        # from the lengths at the next read, since a state loaded or resumed may hold as many steps as before
+        # each step's first token, then the end: rebuilt from the lengths at the next read, since a state loaded or
+        # resumed may hold as many steps as before
         self._starts: StepValues | None = None
-        self._starts_held: tuple[torch.Tensor, int] = (torch.zeros(0, dtype=torch.long), 0)
+
+    @property
+    def starts(self) -> StepValues:
+        """Each committed step's first token, then the stream's end (``steps + 1`` values, kept as runs as the
+        steps commit: a steady stream's take a few at any age). Read it, never append to it."""
+        return self._kept_starts()
+
+    @property
+    def step_bytes(self) -> int:
+        """Host bytes the cache keeps of its steps' lengths and first tokens (as runs: a steady stream's stay a few
+        dozen bytes however long it streams)."""
+        return self.chunk_lengths.nbytes + self.starts.nbytes
 
     @property
     def step_index(self) -> int:
@@ -258,23 +269,10 @@ class TwoStateCache(Cache):
             self._starts.append(self.seen_tokens)
 
     def step_starts(self) -> torch.Tensor:
-        """LongTensor ``[steps + 1]`` on the host: each committed step's first token, then the stream's end (kept
-        as the steps commit, so a question never walks the stream's history to find them). A view of a tensor
-        kept and extended as steps commit: read it, never write it."""
-        starts = self._kept_starts()
-        count = len(starts)
-        held, filled = self._starts_held  # one tuple, read and replaced whole: a concurrent reader sees a pair
-        if filled < count:
-            # a normal tensor whatever the caller's mode: one made under inference mode could not be written after
-            with torch.inference_mode(False):
-                if held.shape[0] < count:  # doubled, so that a stream's steps are copied O(1) times each
-                    grown = torch.empty(max(count, 2 * held.shape[0]), dtype=torch.long)
-                    grown[:filled] = held[:filled]
-                    held = grown
-                held[filled:count] = starts.tensor()[filled:] if count - filled > 64 else \
-                    torch.tensor(starts[filled:count], dtype=torch.long)
-            self._starts_held = held, count
-        return held[:count]
+        """LongTensor ``[steps + 1]`` on the host: `starts` as a tensor, made at each call (a stream keeps no
+        tensor of every step: a stream that never ends would hold eight bytes a step for good), so read it once
+        per question; the starts of a few steps are read from `starts` itself."""
+        return self._kept_starts().tensor()
 
     def step_of(self, token: int) -> tuple[int, int]:
         """``(step, its first token)``: the committed step holding ``token`` (``0 <= token < seen_tokens``), found
@@ -291,7 +289,6 @@ class TwoStateCache(Cache):
         starts = self._starts
         if starts is None or len(starts) != len(self.chunk_lengths) + 1:  # loaded, resumed, or stepped elsewise
             starts = self._starts = self.chunk_lengths.running_totals()
-            self._starts_held = torch.zeros(0, dtype=torch.long), 0
         return starts
 
     def rollback(self) -> None:

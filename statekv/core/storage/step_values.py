@@ -50,6 +50,14 @@ class StepValues(Sequence):
         """Whether the values are held one a step (a list too irregular for runs) rather than as runs."""
         return self._dense is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the values take as held (their runs' arrays, or the dense array)."""
+        if self._dense is not None:
+            return len(self._dense) * self._dense.itemsize
+        runs = self._runs
+        return sum(len(held) * held.itemsize for held in (runs.firsts, runs.differences, runs.ends))
+
     def append(self, value: int) -> None:
         value = int(value)
         if self._dense is not None:

@@ -22,6 +22,8 @@ context has its own length, so the batch pads them and attends under a mask (`st
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,23 +90,23 @@ def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor
     return positions.firsts.tensor()[steps] - place.shift - positions.bases.tensor()[steps]
 
 
-def stored_rotations(prefill, tokens: torch.Tensor) -> torch.Tensor:
+def stored_rotations(prefill, tokens: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
     """``[M]`` the rotary position each of ``tokens`` (host, 1-D RoPE under bounded positions) was stored at: its
-    step's base plus its offset in the step."""
-    starts = prefill.cache.step_starts()
+    step's base plus its offset in the step. ``starts``: the cache's `step_starts`, where the caller read them."""
+    starts = prefill.cache.step_starts() if starts is None else starts
     steps = torch.searchsorted(starts, tokens, right=True) - 1
     return prefill.positions.bases.tensor()[steps] + (tokens - starts[steps])
 
 
-def held_tokens(starts: torch.Tensor, evicted: StepRuns, since: int) -> torch.Tensor:
-    """Token indices ``[M]`` from ``since`` on of the steps (first tokens ``starts`` ``[S + 1]``, then the end) not
-    evicted, ascending (only the steps from ``since`` on are walked)."""
+def held_tokens(starts: Sequence[int], evicted: StepRuns, since: int) -> torch.Tensor:
+    """Token indices ``[M]`` from ``since`` on of the steps (first tokens ``starts``, ``S + 1`` of them: the
+    cache's `StepValues`, then the end) not evicted, ascending (only the steps from ``since`` on are walked)."""
     end = int(starts[-1])
     if not evicted:
         return torch.arange(since, end)
-    first = int(torch.searchsorted(starts, torch.tensor(since), right=True)) - 1
+    first = bisect.bisect_right(starts, since) - 1
     index = [torch.arange(max(int(starts[s]), since), int(starts[s + 1]))
-             for s in range(max(first, 0), starts.shape[0] - 1) if s not in evicted]
+             for s in range(max(first, 0), len(starts) - 1) if s not in evicted]
     return torch.cat(index) if index else torch.empty(0, dtype=torch.long)
 
 
@@ -178,7 +180,7 @@ def _new_frames(prefill, since: int, place: Placement, device: torch.device, rea
     cache = prefill.cache
     index = reads.get(("new tokens", since))
     if index is None:
-        index = reads["new tokens", since] = held_tokens(cache.step_starts(), cache.evicted_steps, since)
+        index = reads["new tokens", since] = held_tokens(cache.starts, cache.evicted_steps, since)
     delta = None
     if place.bounded and index.numel() and (place.shift or prefill.positions.moved):  # else none turns
         delta = tail_deltas(prefill, index, place)
@@ -218,7 +220,8 @@ def _carried_group(prefill, layer: int, since: int, place: Placement, device, dt
             valid = torch.cat([valid, ~twice[None]], 2)
             tokens = torch.cat([tokens, more_tokens], 2)
             if place.bounded:  # 1-D RoPE (retrieval under bounded M-RoPE is refused): positions are indices
-                more_rotations = stored_rotations(prefill, index).to(device).expand(1, heads, -1)
+                starts = reads["steps before", since][0]  # read once by `_retrieved_tokens`
+                more_rotations = stored_rotations(prefill, index, starts).to(device).expand(1, heads, -1)
                 anchors = more_tokens if anchors is None else torch.cat([anchors, more_tokens], 2)
                 rotations = more_rotations if rotations is None else torch.cat([rotations, more_rotations], 2)
             order = tokens.argsort(dim=-1, stable=True)  # time order, as a step's carried state is read

@@ -116,7 +116,7 @@ def tail_start(prefill, since: int, question_first: int, prompt: int, answer: in
         return since
     lowest = question_first + question_positions - room  # the earliest stream position a tail may start at
     fitting = bisect.bisect_left(positions.firsts, lowest, lo=step + 1)
-    return int(cache.step_starts()[fitting]) if fitting < len(positions.firsts) else cache.seen_tokens
+    return cache.starts[fitting] if fitting < len(positions.firsts) else cache.seen_tokens
 
 
 @dataclass(frozen=True)

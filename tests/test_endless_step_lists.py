@@ -1,0 +1,39 @@
+"""A stream that never ends holds flat host memory under an evicting cache cap: nothing it keeps of its steps grows
+with the steps it ever took (a steady stream's lists as runs; the per-step tallies of the steps it still holds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+QUESTION = "Why?"
+CAPPED = dict(offload=True, max_cache_bytes=60_000)
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+def _pushed(stream, frames) -> None:
+    for frame in frames:
+        stream.push(frame)
+
+
+def test_an_evicting_streams_step_starts_take_no_memory_a_step(adapter):
+    """Before: `TwoStateCache.step_starts` kept a tensor of every step's first token for good, extended as
+    questions read it (eight bytes a step, doubled): four times the steps held about four times the bytes."""
+    stream = tiny_qa(adapter, "statekv", cache_limit="evict-oldest", **CAPPED).stream()
+    frames = random_frames(80)  # frames 10 to 99 take one step length (their numbers two digits)
+    cache = stream.prefill.cache
+    sizes = []
+    for part in (frames[:20], frames[20:]):
+        _pushed(stream, part)
+        stream.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2)  # a question with retrieval reads every start
+        sizes.append(cache.step_bytes)
+    assert len(cache.chunk_lengths) > 80 and len(cache.evicted_steps) > 70
+    assert cache.step_starts().tolist() == [0, *cache.starts[1:]]
+    assert sizes[1] == sizes[0], sizes
