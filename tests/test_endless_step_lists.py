@@ -37,3 +37,18 @@ def test_an_evicting_streams_step_starts_take_no_memory_a_step(adapter):
     assert len(cache.chunk_lengths) > 80 and len(cache.evicted_steps) > 70
     assert cache.step_starts().tolist() == [0, *cache.starts[1:]]
     assert sizes[1] == sizes[0], sizes
+
+
+def test_an_evicting_streams_attention_tally_holds_the_steps_it_holds_not_every_step(adapter):
+    """Before: evict-least-attended's `AttentionTally` kept a total and an end for every step streamed (16 bytes a
+    step, doubled), the evicted steps' too, though none was read again."""
+    stream = tiny_qa(adapter, "statekv", cache_limit="evict-least-attended", **CAPPED).stream()
+    frames = random_frames(80)
+    cache = stream.prefill.cache
+    for part in (frames[:20], frames[20:]):
+        _pushed(stream, part)
+        held = len(cache.chunk_lengths) - len(cache.evicted_steps)
+        assert cache.tally.nbytes <= 16 * held, (cache.tally.nbytes, held)
+    assert len(cache.chunk_lengths) > 80 and len(cache.evicted_steps) > 70
+    steps, totals = cache.tally.export(cache.evicted_steps)
+    assert steps.numel() and bool((totals > 0).all())

@@ -262,7 +262,7 @@ class TwoStateCache(Cache):
         self.transaction.commit_host()
         self.chunk_lengths.append(self.chunk_len)
         if self.tally is not None:
-            self.tally.commit(len(self.chunk_lengths))
+            self.tally.commit(len(self.chunk_lengths), self.evicted_steps)
         self.seen_tokens += self.chunk_len
         self.positions.commit()
         if self._starts is not None and len(self._starts) == len(self.chunk_lengths):

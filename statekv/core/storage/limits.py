@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import torch
@@ -230,81 +230,92 @@ class CacheKeeper:
         self._registered = len(cache.chunk_lengths)
         steps = list(self._held)
         if self.limit.when_full == "evict-least-attended":
-            totals = cache.tally.totals
-            steps.sort(key=lambda s: (float(totals[s]) if s < totals.numel() else 0.0, s))
+            totals = dict(zip(cache.tally.steps.tolist(), cache.tally.totals.tolist()))
+            steps.sort(key=lambda s: (totals.get(s, 0.0), s))
         return ((s, cache.chunk_lengths[s]) for s in steps)
 
 
 class AttentionTally:
-    """Per step, the attention mass its tokens received from the stream's own scored steps, summed over layers
-    and heads (``totals``, float64 on the host): what ``evict-least-attended`` ranks by. Told every scored layer
-    of every step (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched. A step's
-    mass is staged until it commits (`commit`), and the last commit can be taken back (`undo`: a step the disk
-    tier could not journal), so the totals are always those of the steps the stream holds."""
+    """Per step the stream may still evict, the attention mass its tokens received from the stream's own scored
+    steps, summed over layers and heads (``totals`` float64 ``[H]`` on the host, of the ascending ``steps`` ``[H]``;
+    a step absent has none): what ``evict-least-attended`` ranks by. Told every scored layer of every step
+    (`TwoStateCache.attend`); a host read, so such streams are neither captured nor batched. A step's mass is staged
+    until it commits (`commit`), and the last commit can be taken back (`undo`: a step the disk tier could not
+    journal), so the totals are always those of the steps the stream holds. An evicted step's entry goes
+    (`forget`) and mass it still receives (a token of it carried) is never tallied: what the tally holds follows the
+    steps held, not the steps ever streamed."""
 
     def __init__(self):
-        self.totals = torch.zeros(64, dtype=torch.float64)
-        self._ends = torch.zeros(64, dtype=torch.long)  # each committed step's end, then the current step's
-        self._steps = 0  # committed steps whose end is in _ends
+        self.steps = torch.zeros(0, dtype=torch.long)
+        self.totals = torch.zeros(0, dtype=torch.float64)
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # the running step's (steps, mass)
         self._staged_at = -1  # the step they are of
         self._undo: tuple[torch.Tensor, torch.Tensor] | None = None  # the last commit's steps and their totals before
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the totals take (with their steps)."""
+        return self.steps.nbytes + self.totals.nbytes
+
     def add(self, cache, positions: torch.Tensor, scores: torch.Tensor) -> None:
         """Stage ``scores`` ``[B, H_kv, K + T]`` of the tokens at ``positions`` for their steps' totals."""
-        lengths = cache.chunk_lengths
-        needed = len(lengths) + 1
-        if self._ends.numel() < needed:
-            self._ends = torch.cat([self._ends, torch.zeros(max(self._ends.numel(), needed), dtype=torch.long)])
-            self.totals = torch.cat([self.totals, torch.zeros(self._ends.numel() - self.totals.numel(),
-                                                              dtype=torch.float64)])
-        for step in range(self._steps, len(lengths)):  # only the steps committed since the last call
-            self._ends[step] = (self._ends[step - 1] if step else 0) + lengths[step]
-        self._steps = len(lengths)
-        self._ends[self._steps] = cache.seen_tokens + cache.chunk_len
-        steps = torch.searchsorted(self._ends[: self._steps + 1], positions.reshape(-1).cpu(), right=True)
-        if self._staged_at != len(lengths):  # what a step that never committed staged goes
-            self._staged, self._staged_at = [], len(lengths)
+        # the step of each token (those of the step being run lie past the last start)
+        steps = (cache.starts.searched(positions.reshape(-1).cpu()) - 1).clamp(min=0)
+        if self._staged_at != len(cache.chunk_lengths):  # what a step that never committed staged goes
+            self._staged, self._staged_at = [], len(cache.chunk_lengths)
         self._staged.append((steps, scores.reshape(-1).to("cpu", torch.float64)))
 
-    def commit(self, steps: int) -> None:
-        """The step that made the cache ``steps`` steps long committed: its staged mass joins the totals."""
+    def commit(self, steps: int, evicted: Container[int]) -> None:
+        """The step that made the cache ``steps`` steps long committed: its staged mass joins the totals (but what
+        went to the ``evicted`` steps)."""
         if self._staged_at != steps - 1 or not self._staged:
             self._staged, self._undo = [], None
             return
-        indices = torch.cat([index for index, _ in self._staged])
-        touched = indices.unique()
-        self._undo = (touched, self.totals[touched].clone())
-        for index, mass in self._staged:
-            self.totals.index_add_(0, index, mass)
+        touched = torch.cat([index for index, _ in self._staged]).unique()
+        if evicted:
+            touched = touched[torch.tensor([step not in evicted for step in touched.tolist()], dtype=torch.bool)]
+        new = touched[~torch.isin(touched, self.steps)]
+        if new.numel():
+            self.steps, order = torch.cat([self.steps, new]).sort()
+            self.totals = torch.cat([self.totals, torch.zeros(new.numel(), dtype=torch.float64)])[order]
+        self._undo = (touched, self.totals[self._rows(touched)[0]].clone())
+        for index, mass in self._staged:  # added in the order staged: each total summed as before, bit for bit
+            rows, held = self._rows(index)
+            self.totals.index_add_(0, rows[held], mass[held])
         self._staged = []
 
     def undo(self) -> None:
         """Take the last commit back (its step was not kept): the totals are again what they were before it."""
         if self._undo is not None:
             touched, before = self._undo
-            self.totals[touched] = before
+            rows, held = self._rows(touched)
+            self.totals[rows[held]] = before[held]
             self._undo = None
 
-    def export(self, evicted: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def export(self, evicted: Container[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The steps ``[L]`` (int64, ascending) with a total, but the ``evicted`` ones (never ranked again), and
         their totals ``[L]`` (float64): what a saved or checkpointed stream needs to rank as it would have."""
-        steps = self.totals.nonzero().squeeze(1)  # an evicted step's total was zeroed (`forget`), unless more came
+        had = self.totals != 0
         if evicted:
-            steps = steps[torch.tensor([step not in evicted for step in steps.tolist()], dtype=torch.bool)]
-        return steps, self.totals[steps].clone()
+            had &= torch.tensor([step not in evicted for step in self.steps.tolist()], dtype=torch.bool)
+        return self.steps[had], self.totals[had]
 
     def forget(self, steps: list[int]) -> None:
         """``steps`` were evicted: never ranked again, their totals go (so that `export` reads only held ones)."""
-        self.totals[torch.tensor([step for step in steps if step < self.totals.numel()], dtype=torch.long)] = 0.0
+        kept = ~torch.isin(self.steps, torch.tensor(steps, dtype=torch.long))
+        self.steps, self.totals = self.steps[kept], self.totals[kept]
 
     def restore(self, steps: torch.Tensor, totals: torch.Tensor, count: int) -> None:
         """Install what `export` gave, for a state of ``count`` steps (the others' totals zero)."""
-        size = max(64, count + 1)
-        self.totals = torch.zeros(size, dtype=torch.float64)
-        self.totals[steps.to(torch.long)] = totals.to(torch.float64)
-        self._ends, self._steps = torch.zeros(size, dtype=torch.long), 0
+        self.steps, self.totals = steps.to(torch.long).clone(), totals.to(torch.float64).clone()
         self._staged, self._staged_at, self._undo = [], -1, None
+
+    def _rows(self, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``steps`` ``[N]`` are in ``steps`` and ``totals`` ``[N]``, and whether each has a total there."""
+        if not self.steps.numel():
+            return torch.zeros_like(steps), torch.zeros_like(steps, dtype=torch.bool)
+        rows = torch.searchsorted(self.steps, steps).clamp(max=self.steps.numel() - 1)
+        return rows, self.steps[rows] == steps
 
 
 def released_segments(cache, keeper: CacheKeeper | None) -> int:

@@ -113,6 +113,24 @@ class StepValues(Sequence):
                 return False
         return True
 
+    def searched(self, values: torch.Tensor) -> torch.Tensor:
+        """``torch.searchsorted(self.tensor(), values, right=True)`` for a non-decreasing list and LongTensor
+        ``values`` on the host, without a tensor of every value: searched run by run (O(len(values) log runs)), or
+        a dense list in place."""
+        if not len(self):
+            return torch.zeros_like(values)
+        if self._dense is not None:
+            held = torch.frombuffer(self._dense, dtype=torch.long)  # in place: released before anything appends
+            return torch.searchsorted(held, values, right=True)
+        runs = self._runs
+        firsts, differences, ends = _long(runs.firsts), _long(runs.differences), _long(runs.ends)
+        counts = torch.diff(ends, prepend=torch.zeros(1, dtype=torch.long))
+        run = (torch.searchsorted(firsts, values, right=True) - 1).clamp(min=0)
+        first, difference, count = firsts[run], differences[run], counts[run]
+        steps = torch.div(values - first, difference.clamp(min=1), rounding_mode="floor") + 1
+        within = torch.where(difference > 0, steps, count).clamp(max=count)
+        return torch.where(values < firsts[0], 0, ends[run] - count + within)
+
     def then(self, value: int) -> StepValues:
         """A copy with ``value`` appended (O(runs), or O(len) once dense): the steps so far and the one being
         run."""
