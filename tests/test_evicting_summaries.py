@@ -29,17 +29,24 @@ def adapter(checkpoint):
     return load_adapter(checkpoint, layout="chat")
 
 
-def test_an_evicting_streams_summaries_and_segment_index_take_rows_for_what_it_holds(adapter, monkeypatch):
-    """Before: one allocation each, addressed by every step (segment) streamed and doubled as they came (256 rows
-    of step summaries for 150 steps holding a few)."""
+def evicted_stream(adapter, monkeypatch, **settings):
+    """A stream of 150 frames under `EVICTING` (segments of 2 steps), its steps and the steps it holds."""
     monkeypatch.setattr(layer_storage, "SEGMENT_STEPS", 2)
-    stream = tiny_qa(adapter, "recency", **EVICTING).stream()
+    stream = tiny_qa(adapter, "recency", **{**EVICTING, **settings}).stream()
     for frame in random_frames(150):
         stream.push(frame)
     cache = stream.prefill.cache
     steps = len(cache.chunk_lengths)
     held_steps = steps - len(cache.evicted_steps)
     assert steps > 100 and held_steps < 16
+    return stream, steps, held_steps
+
+
+def test_an_evicting_streams_summaries_and_segment_index_take_rows_for_what_it_holds(adapter, monkeypatch):
+    """Before: one allocation each, addressed by every step (segment) streamed and doubled as they came (256 rows
+    of step summaries for 150 steps holding a few)."""
+    stream, steps, held_steps = evicted_stream(adapter, monkeypatch)
+    cache = stream.prefill.cache
     for layer in cache.layers:
         storage = layer.storage
         for buffer in (storage.block_keys, storage.step_samples):  # packed when half are released: a few times
@@ -191,14 +198,8 @@ def test_a_compact_buffer_reads_saves_and_loads_as_a_token_buffer_holding_only_i
 def test_a_disk_tier_streams_segment_index_in_ram_takes_rows_for_what_it_holds(adapter, monkeypatch, tmp_path):
     """Before: the RAM half of the disk tier's segment index was addressed by every segment streamed (doubled as
     they came), its evicted pages given back but not its address space."""
-    monkeypatch.setattr(layer_storage, "SEGMENT_STEPS", 2)
-    stream = tiny_qa(adapter, "recency", **dict(EVICTING, offload="disk", offload_dir=str(tmp_path))).stream()
-    for frame in random_frames(150):
-        stream.push(frame)
+    stream, steps, held_steps = evicted_stream(adapter, monkeypatch, offload="disk", offload_dir=str(tmp_path))
     cache = stream.prefill.cache
-    steps = len(cache.chunk_lengths)
-    held_steps = steps - len(cache.evicted_steps)
-    assert steps > 100 and held_steps < 16
     for layer in cache.layers:
         assert layer.storage.segment_index.length == steps // 2
         assert layer.storage.segment_index.capacity <= 4 * held_steps + 4, layer.storage.segment_index.capacity
