@@ -29,12 +29,12 @@ from .blocks import BlockBuffer
 from .buffers import CarriedSlots, TokenBuffer
 from .compact import CompactBuffer
 from .host_pages import saved
-from .limits import runs
 
 SAMPLES_PER_STEP = 16  # keys of each step kept for the `attention` retrieval rule (its default keys_per_step)
 SEGMENT_STEPS = 16  # steps per segment of the retrieval index (read when a storage is made)
 
 Released = dict[str, Sequence[tuple[int, int]]] | None  # tensor name -> the runs of rows it was saved without
+Runs = Sequence[tuple[int, int]]  # ascending, disjoint [start, end) runs of rows
 
 
 class BufferFactory(Protocol):
@@ -423,21 +423,22 @@ class LayerStorage:
         if self.segment_open is not None and self.segment_open.device != device:
             self._hold_segment(self.saved_segment().to(device), self.block_keys.length % self.segment_steps)
 
-    def release_tokens(self, tokens: torch.Tensor) -> None:
-        """Tokens ``tokens`` (ascending positions ``[N]``) were evicted (:mod:`statekv.core.storage.limits`): give back
-        what can be. One buffer on the model's device cannot give part of itself back (evicting is refused
-        there)."""
+    def release_tokens(self, tokens: Runs) -> None:
+        """Tokens ``tokens`` (ascending ``[start, end)`` runs of positions) were evicted
+        (:mod:`statekv.core.storage.limits`): give back what can be. One buffer on the model's device cannot give
+        part of itself back (evicting is refused there)."""
 
-    def release_steps(self, steps: torch.Tensor) -> None:
-        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries, where that can be."""
+    def release_steps(self, steps: Runs) -> None:
+        """Steps ``steps`` (ascending ``[start, end)`` runs) were evicted: give back their summaries, where that can
+        be."""
 
-    def release_segments(self, segments: torch.Tensor) -> None:
-        """Every step of ``segments`` (ascending ``[N]``) was evicted: give back their index rows, where that can
-        be (retrieval no longer ranks them)."""
+    def release_segments(self, segments: Runs) -> None:
+        """Every step of ``segments`` (ascending ``[start, end)`` runs) was evicted: give back their index rows,
+        where that can be (retrieval no longer ranks them)."""
 
-    def release_step_scales(self, steps: torch.Tensor) -> None:
-        """Evicted ``steps`` (ascending ``[N]``) none of whose tokens is carried any more: give back their keys'
-        quantization scales (a quantized storage's)."""
+    def release_step_scales(self, steps: Runs) -> None:
+        """Evicted ``steps`` (ascending ``[start, end)`` runs) none of whose tokens is carried any more: give back
+        their keys' quantization scales (a quantized storage's)."""
 
 
 class OffloadedStorage(LayerStorage):
@@ -498,20 +499,21 @@ class OffloadedStorage(LayerStorage):
         staged = (self.staged_mean, self.staged_samples)
         return sum(0 if t is None else t.numel() * t.element_size() for t in staged) + self._segment_nbytes()
 
-    def release_tokens(self, tokens: torch.Tensor) -> None:
+    def release_tokens(self, tokens: Runs) -> None:
         for name in PER_TOKEN:  # keys and values, or (quantized) their codes and scales
             if getattr(self, name, None) is not None:
                 _release(getattr(self, name), tokens)
 
-    def release_steps(self, steps: torch.Tensor) -> None:
-        """Steps ``steps`` (ascending ``[N]``) were evicted: give back their summaries (never read again)."""
+    def release_steps(self, steps: Runs) -> None:
+        """Steps ``steps`` (ascending ``[start, end)`` runs) were evicted: give back their summaries (never read
+        again)."""
         for buffer in (self.block_keys, self.step_samples):
             _release(buffer, steps)
 
-    def release_segments(self, segments: torch.Tensor) -> None:
+    def release_segments(self, segments: Runs) -> None:
         _release(self.segment_index, segments)
 
-    def release_step_scales(self, steps: torch.Tensor) -> None:
+    def release_step_scales(self, steps: Runs) -> None:
         scales = getattr(self, "key_scales", None)  # a quantized storage's
         if scales is not None:
             _release(scales, steps)
@@ -524,10 +526,10 @@ class OffloadedStorage(LayerStorage):
         super().restored(dtype, device)
 
 
-def _release(buffer, rows: torch.Tensor) -> None:
-    """Give rows ``rows`` (ascending ``[N]``) of ``buffer`` back: a disk buffer to the file system, host memory's
-    whole pages to the OS."""
-    for start, end in runs(rows):
+def _release(buffer, rows: Runs) -> None:
+    """Give rows ``rows`` (ascending ``[start, end)`` runs) of ``buffer`` back: a disk buffer to the file system,
+    host memory's whole pages to the OS."""
+    for start, end in rows:
         buffer.release(start, end)
 
 

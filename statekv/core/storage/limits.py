@@ -38,6 +38,7 @@ import torch
 from ...errors import CacheLimitError, ConfigurationError
 from ...settings.engine import CacheLimit
 from ...settings.values import format_bytes
+from .host_pages import ReleasedRuns
 from .step_values import StepValues
 
 log = logging.getLogger("statekv")
@@ -121,19 +122,20 @@ class CacheKeeper:
         if cache.tally is not None:
             cache.tally.forget(steps)
         tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in steps])
+        step_runs = runs(torch.tensor(sorted(steps), dtype=torch.long))
         for layer in cache.layers:
             carried = _carried_tokens(layer)
             gone = torch.cat([tokens, self.retained.get(layer.index, tokens[:0])])
             held = torch.isin(gone, carried)
             self.retained[layer.index] = gone[held]
-            layer.storage.release_tokens(gone[~held].sort().values)
-            layer.storage.release_steps(torch.tensor(sorted(steps), dtype=torch.long))
+            layer.storage.release_tokens(runs(gone[~held].sort().values))
+            layer.storage.release_steps(step_runs)
             self._release_scales(layer, steps, starts)
         for step in steps:
             cache.evicted_steps.add(step)
             self._held.pop(step, None)
             self.evicted_tokens += cache.chunk_lengths[step]
-        self._release_segments(steps)
+        self._release_segments(step_runs)
 
     def settle(self) -> None:
         """Give back the evicted tokens each layer no longer carries (an eviction gives back those it finds so;
@@ -145,7 +147,7 @@ class CacheKeeper:
                 continue
             held = torch.isin(retained, _carried_tokens(layer))
             self.retained[layer.index] = retained[held]
-            layer.storage.release_tokens(retained[~held].sort().values)
+            layer.storage.release_tokens(runs(retained[~held].sort().values))
             self._release_scales(layer, [], starts)
 
     def _release_scales(self, layer, steps, starts: list[int]) -> None:
@@ -159,26 +161,33 @@ class CacheKeeper:
         free = sorted(waiting - owners)
         if free:
             waiting.difference_update(free)
-            layer.storage.release_step_scales(torch.tensor(free, dtype=torch.long))
+            layer.storage.release_step_scales(runs(torch.tensor(free, dtype=torch.long)))
 
-    def _release_segments(self, steps) -> None:
-        """Give back the retrieval index's rows of the segments ``steps`` (newly evicted) leave wholly evicted."""
-        cache = self.cache
-        per_segment = cache.layers[0].storage.segment_steps
-        emptied = []
-        for step in steps:
-            segment = step // per_segment
-            count = self._evicted_in.get(segment, 0) + 1
-            if count == per_segment:
-                self._evicted_in.pop(segment, None)  # a segment of one step was never counted
-                emptied.append(segment)
-            else:
-                self._evicted_in[segment] = count
-        if emptied:
-            segments = torch.tensor(sorted(emptied), dtype=torch.long)
-            for layer in cache.layers:
+    def _release_segments(self, step_runs: list[tuple[int, int]]) -> None:
+        """Give back the retrieval index's rows of the segments the newly evicted steps (``[start, end)`` runs,
+        ascending) leave wholly evicted: counted a run at a time, so a resumed stream's history is not walked."""
+        per_segment = self.cache.layers[0].storage.segment_steps
+        emptied = ReleasedRuns()
+        for start, end in step_runs:
+            first, last = -(-start // per_segment), end // per_segment  # the segments wholly inside the run
+            if first < last:
+                emptied.add(first, last)
+            edges = [(start, end)] if first > last else [(start, min(end, first * per_segment)),
+                                                          (max(start, last * per_segment), end)]
+            for low, high in edges:
+                if low >= high:
+                    continue
+                segment = low // per_segment
+                count = self._evicted_in.pop(segment, 0) + high - low
+                if count == per_segment:
+                    emptied.add(segment, segment + 1)
+                else:
+                    self._evicted_in[segment] = count
+        if emptied.rows:
+            segments = list(zip(emptied.starts, emptied.ends))
+            for layer in self.cache.layers:
                 layer.storage.release_segments(segments)
-            self.released_segments += len(emptied)
+            self.released_segments += emptied.rows
 
     def adopt(self) -> None:
         """A state was loaded or resumed: its evicted tokens some layer still carries are the retained ones, and
@@ -191,26 +200,29 @@ class CacheKeeper:
             log.info("%s: resumed at its detailed cache's cap max_cache_bytes=%s (%d steps evicted before); evicting "
                      "the %s frames goes on", self.name, format_bytes(self.limit.max_bytes),
                      len(cache.evicted_steps), rule)
-        self._starts, self._held, self._registered = StepValues([0]), {}, 0
-        starts = self._step_starts()
-        evicted = torch.zeros(cache.seen_tokens, dtype=torch.bool)
-        for first, end in cache.evicted_steps.runs():
-            evicted[starts[first]: starts[end]] = True
-        steps = cache.evicted_steps.tensor()
+        lengths = cache.chunk_lengths
+        self._starts = starts = lengths.running_totals()  # a run at a time: a weeks-long stream is not walked
+        step_runs = [(first, end) for first, end in cache.evicted_steps.runs()]
+        self._held = {step: None for first, end in cache.evicted_steps.held_runs(len(lengths))
+                      for step in range(first, end) if starts[step] >= self.protect_tokens}
+        self._registered = len(lengths)
+        token_runs = [(starts[first], starts[end]) for first, end in step_runs]
         self._evicted_in, self.released_segments, self._scales_waiting = {}, 0, {}
         self.retained = {}
         for layer in cache.layers:
             if layer.is_initialized:
                 carried = _carried_tokens(layer)
-                self.retained[layer.index] = carried[evicted[carried]]
-                if steps.numel():
-                    given_back = evicted.clone()
-                    given_back[carried] = False
-                    layer.storage.release_tokens(given_back.nonzero().squeeze(1))
-                    layer.storage.release_steps(steps)
-                    self._release_scales(layer, steps.tolist(), starts)
-        if steps.numel() and cache.layers[0].is_initialized:
-            self._release_segments(steps.tolist())
+                retained = carried[_inside(carried, token_runs)]
+                self.retained[layer.index] = retained
+                if step_runs:
+                    layer.storage.release_tokens(_without(token_runs, retained.tolist()))
+                    layer.storage.release_steps(step_runs)
+                    if layer.storage.kv_cache_dtype is not None:  # scales of the steps no retained token is of
+                        owners = sorted({bisect.bisect_right(starts, token) - 1 for token in retained.tolist()})
+                        self._scales_waiting[layer.index] = set(owners)
+                        layer.storage.release_step_scales(_without(step_runs, owners))
+        if step_runs and cache.layers[0].is_initialized:
+            self._release_segments(step_runs)
 
     def _step_starts(self) -> StepValues:
         """Each committed step's first token, then the end of the last (extended by the steps committed since
@@ -349,6 +361,30 @@ def check_limit(limit: CacheLimit | None, offloaded: bool, policy: Any) -> None:
     if limit.when_full == "evict-least-attended" and not policy.scores_needed(1 << 30):
         raise ConfigurationError(f"cache_limit=evict-least-attended needs attention scores, which {policy} never "
                                  "computes; choose evict-oldest or a scoring method (statekv)")
+
+
+def _inside(points: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``[N]`` bool: which of ``points`` ``[N]`` lie in ``spans`` (ascending, disjoint ``[start, end)`` runs)."""
+    if not spans:
+        return torch.zeros_like(points, dtype=torch.bool)
+    starts, ends = (torch.tensor(column, dtype=torch.long) for column in zip(*spans))
+    at = torch.searchsorted(starts, points, right=True) - 1
+    return (at >= 0) & (points < ends[at.clamp(min=0)])
+
+
+def _without(spans: list[tuple[int, int]], points: list[int]) -> list[tuple[int, int]]:
+    """``spans`` (ascending, disjoint ``[start, end)`` runs) less the ascending ``points`` among them."""
+    kept, at = [], 0
+    for start, end in spans:
+        while at < len(points) and points[at] < start:
+            at += 1
+        while at < len(points) and points[at] < end:
+            if points[at] > start:
+                kept.append((start, points[at]))
+            start, at = points[at] + 1, at + 1
+        if start < end:
+            kept.append((start, end))
+    return kept
 
 
 def runs(tokens: torch.Tensor) -> list[tuple[int, int]]:
