@@ -20,7 +20,7 @@ from ...errors import InputError, OutputError
 from ...flushing import flush_folder
 from ..storage.buffers import TokenBuffer
 from ..storage.compact import CompactBuffer
-from ..storage.host_pages import ReleasedRuns, write_kept
+from ..storage.host_pages import ReleasedRuns, kept_in, write_kept
 from .files import write_checked
 from .mapping import anonymous, mapped, punch_hole
 
@@ -550,10 +550,20 @@ class MirroredTokenBuffer:
         self.mirror.release(start, end)
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
-        self.mirror.load(*parts, released=released)
+        """As `MappedTokenBuffer.load`; resuming (``parts`` the views of the rows its files hold), the RAM half reads
+        only the rows of the blocks still there (given back whole, the others read as zeros): a stream that evicted
+        for weeks never copies its whole index in to give it back again."""
+        mirror = self.mirror
+        if mirror.adopted and parts[0].shape[2] == mirror.length and not released:
+            gone = mirror.released.within(mirror.length)
+            kept = [torch.arange(start, end) for (start, end), _ in kept_in(gone, mirror.length)]
+            copies = mirror.gather(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long))
+        else:
+            gone, copies = released, tuple(part.clone() for part in parts)
+        mirror.load(*parts, released=released)
         self._ram_only = True
         try:
-            self.ram.load(*(part.clone() for part in parts), released=released)
+            self.ram.load(*copies, released=gone)
         finally:
             self._ram_only = False
 
