@@ -216,10 +216,13 @@ class EncodedVideo:
         """The frames (0-based, in encoding order) the streamed ``steps`` hold (None: None)."""
         if steps is None:
             return None
-        streamed = torch.tensor([step for step in steps if step < len(self.step_frames)], dtype=torch.long)
-        totals = self.step_frames.totals()  # only the steps asked for leave the tensor
-        return tuple(frame for first, end in zip(totals[streamed].tolist(), totals[streamed + 1].tolist())
-                     for frame in range(first, end))
+        frames = self.step_frames
+        firsts, at, total = {}, 0, 0  # each step's first frame, summed run by run from the step before it
+        for step in sorted({step for step in steps if step < len(frames)}):
+            at, total = step, total + frames.total(at, step)
+            firsts[step] = total
+        return tuple(frame for step in steps if step in firsts
+                     for frame in range(firsts[step], firsts[step] + frames[step]))
 
     def retrieval(self, frames: int | None, rule: str | None = None) -> Retrieval | None:
         """How a question retrieving ``frames`` frames per layer by ``rule`` (None: the VideoQA's) is answered
