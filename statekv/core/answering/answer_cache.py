@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache
 from ..attention.scored import ChunkMask, chunk_attention
 from ..cache.engine_layer import EngineLayer
 from ..cache.step_runs import StepRuns
-from ..positions.placing import QuestionPlan
+from ..storage.step_values import StepValues
+from ..positions.placing import QuestionPlan, ScoringTurns
 from ..positions.rotation import rotate
 from .held import held_question
 from .retrieval import Retrieval
@@ -46,14 +47,13 @@ class AnswerLayer(EngineLayer):
     context, the next ``answered`` slots the prompt and answer tokens.
     """
 
-    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, steps: tuple[int, ...] = (),
-                 evicted: StepRuns | None = None, placing: "ContextPlacing | None" = None,
-                 starts: torch.Tensor | None = None):
-        """steps: the stream's step lengths, in tokens (what retrieval scores), and starts their first tokens
-        (``[steps + 1]``, then the end); evicted: the steps given up under a cache limit (never read); placing:
-        under bounded positions, where the context's keys go."""
+    def __init__(self, stream: "StreamingLayer", room: int, device: torch.device, evicted: StepRuns | None = None,
+                 placing: "ContextPlacing | None" = None, starts: StepValues | None = None):
+        """starts: the stream's steps' first tokens, then the end (what retrieval scores); evicted: the steps
+        given up under a cache limit (never read); placing: under bounded positions, where the context's keys
+        go."""
         super().__init__()
-        self.stream, self.room, self.model_device, self.steps = stream, room, device, steps
+        self.stream, self.room, self.model_device = stream, room, device
         self.evicted, self.starts = StepRuns() if evicted is None else evicted, starts
         self.placing = placing
         self.keys = self.values = None
@@ -110,10 +110,9 @@ class AnswerLayer(EngineLayer):
         else:
             if question.shape[0] != 1:
                 raise InputError(f"retrieval answers one stream at a time (batch 1), got batch {question.shape[0]}")
-            steps = self.steps
-            turns = (None, None, None) if self.placing is None else self.placing.scoring_turns(
-                len(steps), storage.segment_steps, storage.segment_index.length)
-            seen = held_question(layer, question, storage, steps, self.starts, self.evicted, retrieval.keep_tokens,
+            count = len(self.starts) - 1
+            turns = None if self.placing is None else self.placing.scoring_turns(count, storage.segment_steps)
+            seen = held_question(layer, question, storage, count, self.starts, self.evicted, retrieval.keep_tokens,
                                  scale, {} if memory is None else memory, dtype, turns=turns)
             index = self.retrieved = retrieval.tokens(seen)
             keys, values = storage.read_tokens(index, self.model_device, dtype)
@@ -165,26 +164,23 @@ class ContextPlacing:
     """Under bounded positions, where a question's context goes (:mod:`statekv.core.positions.placing`): each step's
     keys rotated from the rotation they were stored at to the place ``plan`` gives them."""
 
-    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: torch.Tensor):
+    def __init__(self, stream: "TwoStateCache", plan: QuestionPlan, starts: StepValues):
         self.stream, self.plan, self.starts = stream, plan, starts
         self._turns: tuple | None = None
 
-    def scoring_turns(self, steps: int, segment_steps: int, segments: int
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(turns [steps], segment turns [segments], frequencies)`` retrieval scores the stream's steps with past
-        the range (`statekv.core.positions.placing.StreamPositions.scoring_turns`); Nones while the stream fits the
-        range (each step is read at its own position, where it was encoded). Computed once per question."""
+    def scoring_turns(self, steps: int, segment_steps: int) -> ScoringTurns | None:
+        """How retrieval turns the stream's ``steps`` steps and its complete segments past the range
+        (`statekv.core.positions.placing.ScoringTurns`); None while the stream fits the range (each step is read at
+        its own position, where it was encoded). Made once per question."""
         if not self.plan.packed:
-            return None, None, None
-        if self._turns is None or self._turns[0].shape[0] != steps:
-            positions = self.stream.positions
-            turns, segment_turns = positions.scoring_turns(self.plan, steps, segment_steps, segments)
-            self._turns = (turns, segment_turns, positions.inv_freq)
+            return None
+        if self._turns is None or self._turns.count != steps:
+            self._turns = ScoringTurns(self.stream.positions, self.plan, steps, segment_steps)
         return self._turns
 
     def placed(self, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``keys`` ``[B, H_kv, M, D]`` of the tokens ``index`` ``[M]`` (ascending) rotated to their places."""
-        steps = torch.searchsorted(self.starts, index.cpu(), right=True) - 1
+        steps = self.starts.searched(index.cpu()) - 1
         unique, inverse = torch.unique_consecutive(steps, return_inverse=True)
         deltas = self.stream.positions.context_deltas(unique.tolist(), self.plan)[inverse]
         positions = self.stream.positions
@@ -203,11 +199,10 @@ class AnswerCache(Cache):
     def __init__(self, stream: "TwoStateCache", room: int, device: torch.device, retrieval: Retrieval | None,
                  plan: QuestionPlan | None = None):
         super().__init__(layers=[])
-        steps = () if retrieval is None else tuple(stream.chunk_lengths)  # what retrieval scores, only it
-        starts = stream.step_starts()
+        starts = StepValues(stream.starts)  # as runs: what a question builds follows the steps it holds
         evicted = stream.evicted_steps.copy()
         placing = None if plan is None else ContextPlacing(stream, plan, starts)
-        self.layers = [AnswerLayer(layer, room, device, steps, evicted, placing, starts) for layer in stream.layers]
+        self.layers = [AnswerLayer(layer, room, device, evicted, placing, starts) for layer in stream.layers]
         self.stream, self.retrieval = stream, retrieval
         self.memory: dict = {}  # the retrieval rule's scratch for this question, shared by the layers
         self.masks: dict[tuple, ChunkMask] = {}  # the prompt's causal masks, by shape: built once, read by every layer
@@ -236,12 +231,12 @@ class AnswerCache(Cache):
         retrieved = [layer.retrieved for layer in self.layers if layer.retrieved is not None]
         host = torch.cat(retrieved).cpu().split([len(tokens) for tokens in retrieved]) if retrieved else ()
         starts = self.layers[0].starts
-        read = tuple(torch.unique(torch.searchsorted(starts, torch.cat(host), right=True) - 1).tolist()) if host \
+        read = tuple(torch.unique(starts.searched(torch.cat(host)) - 1).tolist()) if host \
             else None
         if self.retrieval is None:
             return read, None
         keep = self.retrieval.keep_tokens
-        return read, tuple(tuple(torch.unique(torch.searchsorted(starts, tokens[tokens >= keep], right=True) - 1)
+        return read, tuple(tuple(torch.unique(starts.searched(tokens[tokens >= keep]) - 1)
                                  .tolist()) for tokens in host)
 
     @property

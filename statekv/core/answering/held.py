@@ -11,66 +11,86 @@ are the stream's first tokens there too.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
 import torch
 
 from ..cache.step_runs import StepRuns
+from ..positions.placing import ScoringTurns
 from .retrieval import Held, LayerQuestion
 
 COMPACT = True  # False: every question sees every step streamed (what a question did before), evicted or not
 
 
-def held_question(layer: int, queries: torch.Tensor, storage: Any, lengths: tuple[int, ...], starts: torch.Tensor,
+def held_question(layer: int, queries: torch.Tensor, storage: Any, count: int, starts: Sequence[int],
                   evicted: StepRuns, keep_tokens: int, scale: float, memory: dict, dtype: torch.dtype,
-                  with_segments: bool = True,
-                  turns: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
-                  ) -> LayerQuestion:
-    """The `LayerQuestion` at ``layer`` for ``queries`` ``[1, Hq, Q, D]`` over the steps of ``lengths`` (their
-    token counts; ``starts`` ``[S + 1]`` their first tokens, then the end; ``evicted``, those evicted) of
-    ``storage`` (a `LayerStorage`), the steps it holds alone (`held_steps`); ``with_segments``: with the segment
-    index (every complete segment lies among the steps); ``turns``: ``(turns [S], segment turns [G],
-    frequencies)`` for every step and complete segment (Nones: none). ``memory``: the question's scratch, shared
-    by its layers (the held steps are found once there)."""
+                  with_segments: bool = True, turns: ScoringTurns | None = None) -> LayerQuestion:
+    """The `LayerQuestion` at ``layer`` for ``queries`` ``[1, Hq, Q, D]`` over the first ``count`` steps (their
+    first tokens ``starts``, then the end: a LongTensor ``[S + 1]`` or the cache's `StepValues`, as long or longer;
+    ``evicted``, those evicted) of ``storage`` (a `LayerStorage`), the steps it holds alone (`held_steps`);
+    ``with_segments``: with the segment index (every complete segment lies among the steps); ``turns``: how the
+    steps and complete segments are turned past the range (None: as stored). ``memory``: the question's scratch,
+    shared by its layers (the held steps, and their turns, are found once there). What it builds follows the steps
+    held, unless every step is (no segment evicted whole)."""
     per_segment = storage.segment_steps
-    complete = min(storage.segment_index.length, len(lengths) // per_segment) if per_segment > 0 else 0
-    key = ("held steps", len(lengths), keep_tokens, complete)
+    complete = min(storage.segment_index.length, count // per_segment) if per_segment > 0 else 0
+    key = ("held steps", count, keep_tokens, complete)
     if key not in memory:
-        memory[key] = held_steps(starts, evicted, len(lengths), per_segment, complete, keep_tokens)
+        memory[key] = held_steps(starts, evicted, count, per_segment, complete, keep_tokens)
     held = memory[key]
-    step_turns, segment_turns, frequencies = turns
     read = lambda index: storage.read_tokens(index, dtype=dtype)[0]  # noqa: E731
+    frequencies = None if turns is None else turns.frequencies
     if held is None:  # nothing given back that a question could skip: every step, as stored
+        every = memory.get(("every step", count))
+        if every is None:
+            firsts = starts[:count + 1] if isinstance(starts, torch.Tensor) else \
+                torch.tensor(starts[:count + 1], dtype=torch.long)
+            every = memory[("every step", count)] = firsts, tuple(torch.diff(firsts).tolist())
+        firsts, lengths = every
+        step_turns, segment_turns = _turns(turns, memory, torch.arange(count),
+                                           torch.arange(storage.segment_index.length) if with_segments else None)
         means, samples = storage.summaries
         index = storage.segments.index if with_segments else None
-        return LayerQuestion(layer, queries, None, means[:, :, :len(lengths)], lengths, scale, memory,
-                             samples=samples[:, :, :len(lengths)], read_keys=read, evicted=evicted,
-                             segments=index, segment_steps=per_segment, starts=starts[:len(lengths) + 1],
-                             turns=step_turns, segment_turns=segment_turns if with_segments else None,
-                             frequencies=frequencies)
+        return LayerQuestion(layer, queries, None, means[:, :, :count], lengths, scale, memory,
+                             samples=samples[:, :, :count], read_keys=read, evicted=evicted,
+                             segments=index, segment_steps=per_segment, starts=firsts, turns=step_turns,
+                             segment_turns=segment_turns, frequencies=frequencies)
     plan, segments, held_starts, held_evicted = held
     means, samples = storage.step_rows(plan.steps)
     index = storage.segment_rows(segments) if with_segments else None
-    turned = None if segment_turns is None or not with_segments else segment_turns[segments]
+    step_turns, segment_turns = _turns(turns, memory, plan.steps, segments if with_segments else None)
     return LayerQuestion(layer, queries, None, means, tuple(torch.diff(held_starts).tolist()), scale, memory,
                          samples=samples, read_keys=_global_reads(read, held_starts, plan.firsts),
                          evicted=held_evicted, segments=index, segment_steps=per_segment, starts=held_starts,
-                         turns=None if step_turns is None else step_turns[plan.steps], segment_turns=turned,
-                         frequencies=frequencies, held=plan)
+                         turns=step_turns, segment_turns=segment_turns, frequencies=frequencies, held=plan)
 
 
-def held_steps(starts: torch.Tensor, evicted: StepRuns, count: int, per_segment: int, complete: int,
+def _turns(turns: ScoringTurns | None, memory: dict, steps: torch.Tensor, segments: torch.Tensor | None
+           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The turns of ``steps`` ``[S']`` and ``segments`` ``[G']`` (None: none), found once per question."""
+    if turns is None:
+        return None, None
+    key = ("turns", id(turns), steps.shape[0], None if segments is None else segments.shape[0])
+    if key not in memory:  # keeps ``turns`` alive with its id
+        memory[key] = (turns, turns.of_steps(steps), None if segments is None else turns.of_segments(segments))
+    return memory[key][1:]
+
+
+def held_steps(starts: Sequence[int], evicted: StepRuns, count: int, per_segment: int, complete: int,
                keep_tokens: int) -> tuple[Held, torch.Tensor, torch.Tensor, StepRuns] | None:
-    """What a question over the ``count`` steps (first tokens ``starts`` ``[S + 1]``; ``evicted``) of a stream
+    """What a question over the ``count`` steps (first tokens ``starts`` ``[S + 1]``, a LongTensor or the cache's
+    `StepValues`; ``evicted``) of a stream
     whose first ``complete`` segments of ``per_segment`` steps are complete sees: ``(Held, its complete segments
     [G'], its steps' first tokens counted over them [S' + 1], its evicted steps)``; None when it would see every
     step (no segment evicted whole after the kept tokens). O(runs of evicted steps + steps held)."""
     if not COMPACT or per_segment < 1 or not complete or not evicted:
         return None
-    after_kept = -(-int(torch.searchsorted(starts[:count + 1], keep_tokens)) // per_segment)  # first segment seen
+    at_kept = int(torch.searchsorted(starts[:count + 1], keep_tokens)) if isinstance(starts, torch.Tensor) else \
+        bisect_left(starts, keep_tokens, 0, count + 1)
+    after_kept = -(-at_kept // per_segment)  # first segment seen
     dropped = []  # runs [first, end) of the segments evicted whole after the kept tokens
     for start, end in evicted.runs():
         first, last = max(-(-start // per_segment), after_kept), min(end // per_segment, complete)
@@ -86,8 +106,9 @@ def held_steps(starts: torch.Tensor, evicted: StepRuns, count: int, per_segment:
     segments = torch.cat(kept_segments)
     steps = torch.cat([(segments[:, None] * per_segment + torch.arange(per_segment)).flatten(),
                        torch.arange(complete * per_segment, count)])
-    firsts = starts[steps]
-    held_starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(starts[steps + 1] - firsts, 0)])
+    at = (lambda index: starts[index]) if isinstance(starts, torch.Tensor) else starts.gathered  # noqa: E731
+    firsts = at(steps)
+    held_starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(at(steps + 1) - firsts, 0)])
 
     ends = [last for _, last in dropped]
     before = list(accumulate((last - first for first, last in dropped), initial=0))  # segments dropped before each

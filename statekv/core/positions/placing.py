@@ -320,28 +320,10 @@ class StreamPositions:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Past the range (a packed ``plan``), the rotations that move each of the first ``steps`` steps' stored
         keys to where a question scoring them should see them, LongTensor ``[steps]``, and each of the first
-        ``segments`` complete segments of ``segment_steps`` steps, ``[segments]`` (host).
-
-        A step is encoded wherever its step was placed (past the range, the same few positions for every step, or
-        thousands of positions after the question), never where the question reads it; compared as stored, the
-        question's queries would score a step by that accident. Scored instead at the place its time in the stream
-        scales to in the context the question reads (the stream's first step at the context's start, its end at
-        the prompt), every step is compared at a distance the question could read it at, in time order. A segment
-        is turned as its first step is, to a place rounded to one of `SEGMENT_PLACES` evenly spaced in the context
-        (its bound costs a rotation of the queries per distinct turn). The first ``plan.keep_steps`` steps stay
-        where they are read, at their own positions."""
-        firsts, bases = self.firsts.tensor()[:steps], self.bases.tensor()[:steps]
-        keep = min(plan.keep_steps, steps)
-        low = self.keep_end(keep)
-        origin = int(firsts[keep]) if keep < steps else low
-        room = max(plan.start - low - self.widest, 0)
-        targets = low + torch.div((firsts - origin).clamp_min(0) * room, max(self.next_first - origin, 1),
-                                  rounding_mode="floor")
-        targets[:keep] = firsts[:keep]
-        firsts_of_segments = torch.arange(segments, dtype=torch.long) * segment_steps
-        cell = max(room // SEGMENT_PLACES, 1)
-        places = low + torch.div(targets[firsts_of_segments] - low + cell // 2, cell, rounding_mode="floor") * cell
-        return targets - bases, places - bases[firsts_of_segments]
+        ``segments`` complete segments of ``segment_steps`` steps, ``[segments]`` (host): `ScoringTurns` of every
+        step and segment."""
+        turns = ScoringTurns(self, plan, steps, segment_steps)
+        return turns.of_steps(torch.arange(steps)), turns.of_segments(torch.arange(segments))
 
     def held_span(self, evicted: StepRuns) -> int:
         """Positions the steps still held take, laid end to end (``evicted``: the steps not held)."""
@@ -436,3 +418,43 @@ def _temporal(position_ids: torch.Tensor) -> torch.Tensor:
     if position_ids.dim() == 2:
         return position_ids
     return position_ids[-3]
+
+
+class ScoringTurns:
+    """Past the range (a packed ``plan``), the rotations that move the stored keys of steps of a stream of ``count``
+    steps (``positions``), and of its complete segments of ``segment_steps`` steps, to where a question scoring them
+    should see them: read for the steps a question holds alone, never a tensor of every step.
+
+    A step is encoded wherever its step was placed (past the range, the same few positions for every step, or
+    thousands of positions after the question), never where the question reads it; compared as stored, the
+    question's queries would score a step by that accident. Scored instead at the place its time in the stream
+    scales to in the context the question reads (the stream's first step at the context's start, its end at the
+    prompt), every step is compared at a distance the question could read it at, in time order. A segment is turned
+    as its first step is, to a place rounded to one of `SEGMENT_PLACES` evenly spaced in the context (its bound costs
+    a rotation of the queries per distinct turn). The first ``plan.keep_steps`` steps stay where they are read, at
+    their own positions."""
+
+    def __init__(self, positions: StreamPositions, plan: QuestionPlan, count: int, segment_steps: int = 0):
+        self.positions, self.count, self.segment_steps = positions, count, segment_steps
+        self.frequencies = positions.inv_freq
+        self.keep = min(plan.keep_steps, count)
+        self.low = positions.keep_end(self.keep)
+        self.origin = positions.firsts[self.keep] if self.keep < count else self.low
+        self.room = max(plan.start - self.low - positions.widest, 0)
+
+    def _targets(self, steps: torch.Tensor) -> torch.Tensor:
+        firsts = self.positions.firsts.gathered(steps)
+        targets = self.low + torch.div((firsts - self.origin).clamp_min(0) * self.room,
+                                       max(self.positions.next_first - self.origin, 1), rounding_mode="floor")
+        return torch.where(steps < self.keep, firsts, targets)
+
+    def of_steps(self, steps: torch.Tensor) -> torch.Tensor:
+        """LongTensor ``[M]``: the turns of ``steps`` (LongTensor ``[M]``, host, each below ``count``)."""
+        return self._targets(steps) - self.positions.bases.gathered(steps)
+
+    def of_segments(self, segments: torch.Tensor) -> torch.Tensor:
+        """LongTensor ``[M]``: the turns of the complete ``segments`` (LongTensor ``[M]``, host)."""
+        firsts = segments * self.segment_steps
+        cell = max(self.room // SEGMENT_PLACES, 1)
+        places = self.low + torch.div(self._targets(firsts) - self.low + cell // 2, cell, rounding_mode="floor") * cell
+        return places - self.positions.bases.gathered(firsts)

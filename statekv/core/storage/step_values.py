@@ -113,6 +113,19 @@ class StepValues(Sequence):
                 return False
         return True
 
+    def gathered(self, index: torch.Tensor) -> torch.Tensor:
+        """``self.tensor()[index]`` for a LongTensor ``index`` on the host (each within the list), without a tensor
+        of every value: each found by its run (O(len(index) log runs)), or read from a dense list in place."""
+        if self._dense is not None:
+            return torch.frombuffer(self._dense, dtype=torch.long)[index] if len(index) else \
+                torch.zeros(index.shape, dtype=torch.long)  # in place: released before anything appends
+        if not len(self._runs.ends):
+            return torch.zeros(index.shape, dtype=torch.long)
+        ends = _long(self._runs.ends)
+        run = torch.searchsorted(ends, index, right=True)
+        begins = ends - torch.diff(ends, prepend=torch.zeros(1, dtype=torch.long))
+        return _long(self._runs.firsts)[run] + _long(self._runs.differences)[run] * (index - begins[run])
+
     def searched(self, values: torch.Tensor) -> torch.Tensor:
         """``torch.searchsorted(self.tensor(), values, right=True)`` for a non-decreasing list and LongTensor
         ``values`` on the host, without a tensor of every value: searched run by run (O(len(values) log runs)), or

@@ -32,6 +32,7 @@ from ..answering.held import held_question
 from ..answering.retrieval import Retrieval
 from ..answering.rows import LayerContext
 from ..cache.step_runs import StepRuns
+from ..storage.step_values import StepValues
 from ..positions.rotation import rotate
 from .fitting import Scoring
 
@@ -86,16 +87,16 @@ def tail_deltas(prefill, tokens: torch.Tensor, place: Placement) -> torch.Tensor
     if not place.bounded or tokens.numel() == 0 or (not place.shift and not prefill.positions.moved):
         return torch.zeros(tokens.shape[0], dtype=torch.long)
     positions = prefill.positions
-    steps = torch.searchsorted(prefill.cache.step_starts(), tokens, right=True) - 1
-    return positions.firsts.tensor()[steps] - place.shift - positions.bases.tensor()[steps]
+    steps = prefill.cache.starts.searched(tokens) - 1
+    return positions.firsts.gathered(steps) - place.shift - positions.bases.gathered(steps)
 
 
-def stored_rotations(prefill, tokens: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+def stored_rotations(prefill, tokens: torch.Tensor, starts: StepValues | None = None) -> torch.Tensor:
     """``[M]`` the rotary position each of ``tokens`` (host, 1-D RoPE under bounded positions) was stored at: its
-    step's base plus its offset in the step. ``starts``: the cache's `step_starts`, where the caller read them."""
-    starts = prefill.cache.step_starts() if starts is None else starts
-    steps = torch.searchsorted(starts, tokens, right=True) - 1
-    return prefill.positions.bases.tensor()[steps] + (tokens - starts[steps])
+    step's base plus its offset in the step. ``starts``: the cache's `starts`, where the caller read them."""
+    starts = prefill.cache.starts if starts is None else starts
+    steps = starts.searched(tokens) - 1
+    return prefill.positions.bases.gathered(steps) + (tokens - starts.gathered(steps))
 
 
 def held_tokens(starts: Sequence[int], evicted: StepRuns, since: int) -> torch.Tensor:
@@ -267,22 +268,18 @@ def _retrieved_tokens(prefill, layer: int, since: int, queries: torch.Tensor, re
     reads = {} if reads is None else reads
     key = "steps before", since
     if key not in reads:  # the same at every layer
-        starts = cache.step_starts()
-        before = int(torch.searchsorted(starts[1:], torch.tensor(since), right=True))  # steps wholly before since
-        reads[key] = starts, before, tuple(cache.chunk_lengths[:before])
-    starts, before, steps = reads[key]
+        starts = StepValues(cache.starts)  # as runs: what an evaluation builds follows the steps it holds
+        reads[key] = starts, bisect.bisect_right(starts, since, 1) - 1  # the steps wholly before since
+    starts, before = reads[key]
     if before == 0:
         return torch.empty(0, dtype=torch.long), ()
-    turns = segment_turns = frequencies = None
-    if scoring is not None:
-        if scoring.shift:  # the prompt's queries where `ask` would place them
-            queries = rotate(queries, torch.full(queries.shape[:3], scoring.shift, device=queries.device),
-                             scoring.frequencies)
-        turns, segment_turns, frequencies = scoring.turns[:before], scoring.segment_turns, scoring.frequencies
+    if scoring is not None and scoring.shift:  # the prompt's queries where `ask` would place them
+        queries = rotate(queries, torch.full(queries.shape[:3], scoring.shift, device=queries.device),
+                         scoring.turns.frequencies)
     whole = storage.segment_index.length * storage.segment_steps <= before  # every complete segment before since
-    seen = held_question(layer, queries, storage, steps, starts[:before + 1], cache.evicted_steps.below(before),
+    seen = held_question(layer, queries, storage, before, starts, cache.evicted_steps.below(before),
                          retrieval.keep_tokens, scale, {} if memory is None else memory, dtype, whole,
-                         (turns, segment_turns, frequencies))
+                         None if scoring is None else scoring.turns)
     chosen = retrieval.choose(seen)
     parts = [torch.arange(int(starts[s]), int(starts[s + 1])) for s in chosen]
     index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)

@@ -10,7 +10,7 @@ An evaluation is placed as a step would be whose chunk is its tail: the new fram
   reach every step. Its memory and its positions are bounded by the range, however long the wait.
 * Its retrieval's scores (`retrieval_scoring`): past the range a step's keys are stored wherever its step was
   placed, so a question retrieving scores them turned to where its time in the stream scales to
-  (`StreamPositions.scoring_turns`). An evaluation scores them as `ask` of its question would: the steps turned
+  (`ScoringTurns`). An evaluation scores them as `ask` of its question would: the steps turned
   for the plan `StreamingPrefill.question_plan` makes for that question, and its prompt's queries turned to where
   that plan starts the prompt.
 """
@@ -20,10 +20,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-import torch
-
 from ...errors import QuestionTooLong, RetrievalTooWide
 from ..answering.retrieval import Retrieval
+from ..positions.placing import ScoringTurns
 
 
 def tail_room(prefill, carried: int) -> int:
@@ -122,14 +121,11 @@ def tail_start(prefill, since: int, question_first: int, prompt: int, answer: in
 @dataclass(frozen=True)
 class Scoring:
     """How an evaluation's retrieval scores the steps past the range, as `ask` of its question would: its
-    prompt's queries turned by ``shift`` positions (to where that question's prompt starts), each step's keys by
-    ``turns`` ``[S]`` and each complete segment's by ``segment_turns`` ``[G]`` (LongTensors, host), with the
-    rotary ``frequencies`` ``[R / 2]``."""
+    prompt's queries turned by ``shift`` positions (to where that question's prompt starts), each step's and
+    complete segment's keys by ``turns`` (read for the steps it holds alone)."""
 
     shift: int
-    turns: torch.Tensor
-    segment_turns: torch.Tensor
-    frequencies: torch.Tensor
+    turns: ScoringTurns
 
 
 def retrieval_scoring(prefill, retrieval: Retrieval, question_positions: int, prompt_first: int
@@ -143,6 +139,5 @@ def retrieval_scoring(prefill, retrieval: Retrieval, question_positions: int, pr
         return None
     cache = prefill.cache
     storage = cache.layers[0].storage
-    turns, segment_turns = prefill.positions.scoring_turns(plan, len(cache.chunk_lengths), storage.segment_steps,
-                                                           storage.segment_index.length)
-    return Scoring(plan.start - prompt_first, turns, segment_turns, prefill.positions.inv_freq)
+    turns = ScoringTurns(prefill.positions, plan, len(cache.chunk_lengths), storage.segment_steps)
+    return Scoring(plan.start - prompt_first, turns)
