@@ -217,10 +217,7 @@ class EncodedVideo:
         if steps is None:
             return None
         frames = self.step_frames
-        firsts, at, total = {}, 0, 0  # each step's first frame, summed run by run from the step before it
-        for step in sorted({step for step in steps if step < len(frames)}):
-            at, total = step, total + frames.total(at, step)
-            firsts[step] = total
+        firsts = frames.totals_at(steps)
         return tuple(frame for step in steps if step in firsts
                      for frame in range(firsts[step], firsts[step] + frames[step]))
 

@@ -113,6 +113,15 @@ class StepValues(Sequence):
                 return False
         return True
 
+    def totals_at(self, steps: Iterable[int]) -> dict[int, int]:
+        """The running total before each of ``steps`` within the list (what ``totals()[step]`` gives), summed run by
+        run up to the last of them, without a tensor of every value."""
+        totals, at, total = {}, 0, 0
+        for step in sorted({step for step in steps if 0 <= step < len(self)}):
+            at, total = step, total + self.total(at, step)
+            totals[step] = total
+        return totals
+
     def gathered(self, index: torch.Tensor) -> torch.Tensor:
         """``self.tensor()[index]`` for a LongTensor ``index`` on the host (each within the list), without a tensor
         of every value: each found by its run (O(len(index) log runs)), or read from a dense list in place."""
