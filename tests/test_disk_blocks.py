@@ -77,6 +77,30 @@ def test_a_buffer_that_gives_rows_back_keeps_bounded_files_past_the_largest_file
     again.close()
 
 
+
+def test_a_resumed_buffer_forces_the_blocks_it_adopted_at_its_next_sync(tmp_path, small_blocks, monkeypatch):
+    """Rows written and never synced (the process killed, or a step the disk refused undone by reopening the files)
+    are forced to the device, with the folder holding their files' names, by the next sync of the buffer reopened
+    over them (before: only the blocks written since it was reopened were)."""
+    import os
+
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(256, dtype=torch.float32).view(1, 1, 1, 256)
+    length = 3 * (mmap.PAGESIZE // 1024)  # three blocks
+    for row in range(length):
+        buffer.write(row, rows + row, -rows - row)
+        buffer.length = row + 1
+    row, dtype, block = buffer.row, buffer.dtype, buffer.block_rows
+    buffer.close()
+    buffer.open(row, dtype, length, block_rows=block)  # as a resume reopens it
+    synced, flushed, fsync, flush = [], [], os.fsync, buffers.flush_folder
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    monkeypatch.setattr(buffers, "flush_folder", lambda folder, **kw: (flushed.append(folder), flush(folder, **kw))[1])
+    buffer.sync()
+    assert {os.path.basename(path) for path in synced} >= set(_files(tmp_path)) and len(_files(tmp_path)) == 6
+    assert flushed == [tmp_path]
+    buffer.close()
+
 def _evicting(adapter, folder, policy="statekv"):
     qa = tiny_qa(adapter, policy, offload="disk", offload_dir=folder, max_cache_bytes=120_000,
                  cache_limit="evict-oldest")

@@ -242,8 +242,12 @@ class MappedTokenBuffer:
             if min(sizes.values()) < block_rows * self.row_bytes:
                 short = self._path(min(sizes, key=sizes.get), block).name
                 raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than a block")
+            self._unsynced.add(block)
         if at < blocks:
             self.released.add(at * block_rows, length)
+        # rows adopted may not be on the device yet (written before a kill, or before a step the disk refused): the
+        # next sync forces their blocks, and the folder holding their names
+        self._made_files = bool(self._unsynced)
 
     def _rows_per_block(self) -> int | None:
         """Rows of a new block: `BLOCK_BYTES` rounded to a whole number of rows and of `BLOCK_ALIGN` bytes."""
