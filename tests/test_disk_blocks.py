@@ -184,3 +184,22 @@ def test_a_format_4_file_set_loads_resumes_and_goes_on_alike(adapter, tmp_path, 
                        whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2))
     resumed.close()
     whole.close()
+
+
+def test_a_resumed_stream_whose_kept_segment_index_block_is_missing_is_refused(adapter, tmp_path, small_blocks,
+                                                                                monkeypatch):
+    """A block of the retrieval index removed by hand while a segment it indexes is only partly evicted (its row
+    kept, the step that wrote it evicted: no checksum covers it) is refused in one line, not read back as zeros."""
+    from statekv.errors import InputError
+
+    frames = random_frames(30)
+    qa, stream = _evicting(adapter, tmp_path)
+    for frame in frames:
+        stream.push(frame)
+    assert 15 in stream.prefill.cache.evicted_steps and 0 not in stream.prefill.cache.evicted_steps
+    stream.close()
+    folder = stream.prefill.disk.folder
+    for path in folder.glob("layer1.segment_index.*.0.bin"):
+        path.unlink()
+    with pytest.raises(InputError, match=r"layer1\.segment_index\.0\.0\.bin is missing"):
+        Stream.load(folder, qa)

@@ -73,6 +73,8 @@ class MappedTokenBuffer:
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
         self.adopted = False  # opened over rows already there (see load)
         self.released = ReleasedRuns()  # rows given back since it was opened or loaded
+        # runs of rows whose block files it was reopened without (taken as given back: zeros)
+        self.missing: list[tuple[int, int]] = []
         self._block = 4096
 
     # -- TokenBuffer's interface ----------------------------------------------------------------------------
@@ -213,6 +215,7 @@ class MappedTokenBuffer:
         self.length, self.adopted = length, length > 0
         self.released, self.crc = ReleasedRuns(), 0
         self._unsynced, self._made_files = set(), False
+        self.missing = []
         if block_rows is None:
             self._fds.extend(fds)
             self._tail = 0
@@ -229,7 +232,7 @@ class MappedTokenBuffer:
         blocks = -(-length // block_rows)
         self._capacity = blocks * block_rows
         # a block whose files are gone, or some of them (a kill while they were removed), was given back whole: a
-        # held row lost with it fails its step's checksum
+        # held row lost with it fails its step's checksum (a row no step's checksum covers: see `missing`)
         at = 0
         for block, sizes in sorted(self._present_blocks().items()):
             if block >= blocks:
@@ -237,6 +240,7 @@ class MappedTokenBuffer:
             if len(sizes) < self.parts:
                 continue
             if at < block:
+                self.missing.append((at * block_rows, block * block_rows))
                 self.released.add(at * block_rows, block * block_rows)
             at = block + 1
             if min(sizes.values()) < block_rows * self.row_bytes:
@@ -244,6 +248,7 @@ class MappedTokenBuffer:
                 raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than a block")
             self._unsynced.add(block)
         if at < blocks:
+            self.missing.append((at * block_rows, length))
             self.released.add(at * block_rows, length)
         # rows adopted may not be on the device yet (written before a kill, or before a step the disk refused): the
         # next sync forces their blocks, and the folder holding their names

@@ -61,6 +61,9 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     for step in journal.later_evictions:
         evicted.add(step)
     per_segment = cache.layers[0].storage.segment_steps
+    for layer in range(len(tier.buffers)):
+        if "segment_index" in tier.buffers[layer]:
+            _check_segments_there(where, tier.buffers[layer]["segment_index"].mirror, evicted, per_segment, len(steps))
     start, at = 0, 0  # the first token of step ``at``
     for record in steps.held():  # a compacted step is evicted: its rows are punched, nothing to check
         start, at = start + lengths.total(at, record["step"]), record["step"]
@@ -117,6 +120,19 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     tier.replayed = {record["step"] for record in steps.held() if BACKLOG in record}
     tier.evicted_records = sum(step in evicted for step in whole)
     tier.held_records = len(whole) - tier.evicted_records
+
+
+def _check_segments_there(where: Path, index: Any, evicted: Any, per_segment: int, steps: int) -> None:
+    """A one-line `InputError` when a block of the segment index ``index`` whose files are missing holds the row of a
+    segment not every step of which was evicted (a block's files are removed once every row of it was given back):
+    that row is kept, while the step that wrote it, whose checksum covers it, may be evicted and left unchecked."""
+    for start, end in index.missing:
+        for first, last in evicted.held_runs(min(steps, end * per_segment)):
+            if last > start * per_segment:
+                segment = max(first, start * per_segment) // per_segment
+                name = f"{index.prefix.name}.0.{segment // index.block_rows}.bin"
+                raise InputError(f"{where}: the disk cache is damaged: {name} is missing (it holds the retrieval "
+                                 f"index of segment {segment}, whose steps are not all evicted)")
 
 
 def check_durable(folder: Path, journal: Journaled) -> None:
