@@ -101,6 +101,31 @@ def test_a_resumed_buffer_forces_the_blocks_it_adopted_at_its_next_sync(tmp_path
     assert flushed == [tmp_path]
     buffer.close()
 
+
+def test_a_block_file_left_past_the_checkpoint_has_its_name_forced_once_written_again(tmp_path, small_blocks,
+                                                                                      monkeypatch):
+    """A block's files a killed process made after the checkpoint a stream resumes from are there already when the
+    stream writes that block again: the next sync forces the folder holding their names too (before: only for files
+    it made or lengthened itself), so a power cut after it cannot lose them."""
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(256, dtype=torch.float32).view(1, 1, 1, 256)
+    block = mmap.PAGESIZE // 1024
+    for row in range(2 * block):
+        buffer.write(row, rows + row, -rows - row)
+        buffer.length = row + 1
+    shape, dtype = buffer.row, buffer.dtype
+    buffer.close()  # killed, the second block's files left; resumed from a checkpoint inside the first
+    buffer.open(shape, dtype, block - 1, block_rows=block)
+    buffer.sync()
+    flushed, flush = [], buffers.flush_folder
+    monkeypatch.setattr(buffers, "flush_folder", lambda folder, **kw: (flushed.append(folder), flush(folder, **kw))[1])
+    for row in range(block - 1, block + 2):
+        buffer.write(row, rows, -rows)
+        buffer.length = row + 1
+    buffer.sync()
+    assert flushed == [tmp_path]
+    buffer.close()
+
 def _evicting(adapter, folder, policy="statekv"):
     qa = tiny_qa(adapter, policy, offload="disk", offload_dir=folder, max_cache_bytes=120_000,
                  cache_limit="evict-oldest")

@@ -319,7 +319,9 @@ class MappedTokenBuffer:
                 fds.append(os.open(self._path(part, block), os.O_RDWR | os.O_CREAT, 0o644))
                 if os.fstat(fds[-1]).st_size < size:
                     os.ftruncate(fds[-1], size)  # sparse until written
-                    self._made_files = True
+            # its names flushed at the next sync, even where its files were there: a process killed before its
+            # sync may have left them, their names not on the device
+            self._made_files = True
         except OSError as error:
             close_all(fds)
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
