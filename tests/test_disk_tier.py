@@ -20,7 +20,8 @@ import torch
 
 import statekv
 from statekv import Stream
-from statekv.core.disk.buffers import MappedTokenBuffer, MirroredTokenBuffer
+from statekv.core.disk.buffers import MappedTokenBuffer
+from statekv.core.disk.mirrored import MirroredTokenBuffer
 from statekv.errors import CacheLimitError, ConfigurationError, InputError, OutputError
 from statekv.models import load_adapter
 from statekv.testing import make_tiny_checkpoint

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from statekv.core.disk.buffers import MappedTokenBuffer, MirroredTokenBuffer
+from statekv.core.disk.buffers import MappedTokenBuffer
+from statekv.core.disk.mirrored import MirroredTokenBuffer
 
 ROWS = 131_072  # segments streamed: 2 KiB a row, 256 MiB of index
 HELD = 10  # the last ones, still held

@@ -75,11 +75,11 @@ from ...errors import OutputError
 from ...flushing import flush_folder
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
-from .buffers import (MIRRORED, MappedTokenBuffer, MirroredTokenBuffer, close_all, closed_with, pwrite_all, rows_crc,
-                      rows_of)
+from .buffers import MIRRORED, MappedTokenBuffer, close_all, closed_with, pwrite_all, rows_crc, rows_of
 from .compaction import BACKLOG, loaded_record
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
+from .mirrored import MirroredTokenBuffer
 
 log = logging.getLogger("statekv")
 
