@@ -12,10 +12,12 @@ import torch
 
 from ...errors import InputError
 from ..cache import persistence
-from .buffers import rows_crc, rows_of
+from .buffers import MappedTokenBuffer, rows_crc, rows_of
 from .compaction import BACKLOG, JournalSteps
 from .files import Journaled, check_file_set, read_checked
 from .tier import DiskTier
+
+SUMMARIES = ("step_means", "step_samples")  # the step summaries' buffers
 
 
 def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device, *, verify: bool = True,
@@ -86,9 +88,12 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
         if placements is not None:
             tensors["carried_placements"] = placements
-        for name, buffer in tier.buffers[index].items():
-            mapped = getattr(buffer, "mirror", buffer)
-            views = mapped.view(0, mapped.length) if mapped.length or mapped.tensors is not None else None
+        files = {name: getattr(buffer, "mirror", buffer) for name, buffer in tier.buffers[index].items()}
+        # a file set from before the summaries and the segment index were kept has them recomputed from its keys,
+        # read whole; else the layer adopts its files as they are, reading none of these rows
+        whole = segment is None or not all(name in files and files[name].length for name in SUMMARIES)
+        for name, mapped in files.items():
+            views = _rows(mapped, whole)
             if name == "detailed":
                 tensors.update(keys=views[0], values=views[1])
             elif name == "segment_index":
@@ -152,6 +157,19 @@ def check_checkpoint(folder: Path, journal: Journaled) -> None:
     if not isinstance(layers, int) or layers < 1:
         raise InputError(f"{folder}: the disk cache's manifest does not say how many layers it holds")
     _carried_slot(folder, journal.carry, layers, journal.steps.tokens.total(), len(journal.steps))
+
+
+def _rows(mapped: MappedTokenBuffer, whole: bool) -> tuple[torch.Tensor, ...] | None:
+    """What a layer is handed of ``mapped``'s rows: None (nothing written), or per part ``[B, H_kv, length, X]``:
+    views of every row (``whole``), else their shape alone (zeros of stride 0, nothing mapped: a view of a stream's
+    whole history asks for a run of addresses as long as it, and a capped stream's history outgrows a process's
+    addresses in days, although it holds a bounded part of it)."""
+    if not mapped.length and (mapped.row is None or not mapped.capacity):
+        return None
+    if whole or not mapped.length:
+        return mapped.view(0, mapped.length)
+    b, h, x = mapped.row
+    return tuple(torch.zeros((), dtype=mapped.dtype).expand(b, h, mapped.length, x) for _ in range(mapped.parts))
 
 
 def _placements(where: Path, positions: Any, steps: JournalSteps) -> dict[str, Any] | None:

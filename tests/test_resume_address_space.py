@@ -1,0 +1,88 @@
+"""Resuming a disk-tier stream maps only what it reads: the address space it asks for follows the blocks its files
+still hold, not every row the stream ever streamed (a capped 8B stream of a day and a half would ask for more than
+the 128 TiB of a process's addresses, although its cap bounds what it holds)."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+
+import statekv.core.disk.buffers as buffers
+import statekv.core.disk.tier as tier
+from statekv import Stream
+from statekv.core.disk.buffers import MappedTokenBuffer
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+QUESTION = "Why?"
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of one page, so a short stream fills many and gives most of them back."""
+    monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
+    monkeypatch.setattr(MappedTokenBuffer, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
+
+
+def _asked(monkeypatch) -> list[int]:
+    """The sizes of the runs of addresses the disk tier's buffers ask for from now on."""
+    sizes: list[int] = []
+    anonymous = buffers.anonymous
+
+    def counted(size: int):
+        sizes.append(size)
+        return anonymous(size)
+
+    monkeypatch.setattr(buffers, "anonymous", counted)
+    return sizes
+
+
+def _held_bytes(folder) -> int:
+    """Bytes of the layers' files (each block a file): what the stream still holds on disk."""
+    return sum(path.stat().st_size for path in folder.glob("layer*.bin"))
+
+
+def _streamed_bytes(stream) -> int:
+    """Bytes of every row its layers' files were ever written, evicted or not."""
+    return sum(mapped.length * mapped.row_bytes * mapped.parts for layer in stream.prefill.disk.buffers
+               for buffer in layer.values() for mapped in [getattr(buffer, "mirror", buffer)])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_a_resume_maps_what_its_files_hold_not_its_whole_history(adapter, tmp_path, small_blocks, monkeypatch,
+                                                                 kv_cache_dtype):
+    """Before: every buffer of every layer was mapped whole (one run of addresses as long as its history) to be
+    handed to the layers, which adopt the files without reading those rows."""
+    frames = random_frames(70)
+    settings = {"kv_cache_dtype": kv_cache_dtype, "max_cache_bytes": 60_000} if kv_cache_dtype else {}
+    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, **{
+        "max_cache_bytes": 120_000, "cache_limit": "evict-oldest", **settings})
+    whole = qa.stream()
+    stopped = qa.stream()
+    for number, frame in enumerate(frames):
+        whole.push(frame)
+        if number < 50:
+            stopped.push(frame)
+    stopped.close()
+    folder = stopped.prefill.disk.folder
+    held, streamed = _held_bytes(folder), _streamed_bytes(stopped)
+    assert held < streamed  # much of its history given back
+    with monkeypatch.context() as counting:
+        sizes = _asked(counting)
+        resumed = Stream.load(folder, qa)
+    assert sum(sizes) <= held, (sum(sizes), held, streamed)  # before: about ``streamed``
+    for frame in frames[50:]:
+        resumed.push(frame)
+    assert resumed.prefill.cache.evicted_steps == whole.prefill.cache.evicted_steps
+    assert (resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2).tolist()
+            == whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2).tolist())
+    resumed.close()
+    whole.close()
