@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 
 import pytest
+import torch
 
 import statekv.core.disk.buffers as buffers
 import statekv.core.disk.tier as tier
@@ -86,3 +87,27 @@ def test_a_resume_maps_what_its_files_hold_not_its_whole_history(adapter, tmp_pa
             == whole.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2).tolist())
     resumed.close()
     whole.close()
+
+
+def test_a_quantized_disk_stream_reads_a_token_without_mapping_its_scales_history(adapter, tmp_path, small_blocks,
+                                                                                  monkeypatch):
+    """Before: every read of a quantized disk-tier stream's tokens asked where its keys' scales live by mapping
+    every step's scales (a run of addresses growing with the stream's age, walked block by block)."""
+    qa = tiny_qa(adapter, "statekv", offload="disk", offload_dir=tmp_path, kv_cache_dtype="int8")
+    stream = qa.stream()
+    for frame in random_frames(24):
+        stream.push(frame)
+    storage = stream.prefill.cache.layers[0].storage
+    read = {name: getattr(storage, name) for name in ("key_codes", "value_codes", "key_scales", "value_scales")}
+    assert read["key_scales"].length > read["key_scales"].block_rows  # scales of more than one block
+    last = storage.length - 1
+    expected = storage.read_tokens(torch.tensor([last]))
+    with monkeypatch.context() as counting:
+        sizes = _asked(counting)
+        keys, values = storage.read_tokens(torch.tensor([last]))
+        ranged = storage.read_range(last, last + 1)
+    block = sum(buffer.block_rows * buffer.row_bytes * buffer.parts for buffer in read.values())
+    assert sum(sizes) <= 2 * block  # a block of each buffer each read: the last token's
+    assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+    assert torch.equal(ranged[0], keys) and torch.equal(ranged[1], values)
+    stream.close()

@@ -221,8 +221,10 @@ class QuantizedStorage(OffloadedStorage):
 
     @property
     def _where(self) -> torch.device:
-        scales = self.key_scales  # one tensor, or (a stream that evicts) blocks in host memory
-        return scales.device if scales.keys is None else scales.keys.device
+        scales = self.key_scales  # one tensor, blocks in host memory (a stream that evicts), or files on disk
+        if scales.device is not None:  # never its rows: on disk they are mapped to be read, every step's at once
+            return scales.device
+        return None if scales.keys is None else scales.keys.device
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
         """The committed step each token of ``index`` belongs to. On the host, searched among the starts of the
