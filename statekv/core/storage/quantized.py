@@ -14,7 +14,6 @@ step's own attention and the steps' summaries stay in the model's dtype.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from itertools import accumulate, islice
 
@@ -23,7 +22,6 @@ import torch
 from .blocks import BlockBuffer
 from .buffers import TokenBuffer
 from .host_pages import saved
-from .limits import runs
 from .layer_storage import SAMPLES_PER_STEP, BufferFactory, OffloadedStorage, Released, memory_buffers
 from .step_values import StepValues
 from ...errors import ConfigurationError
@@ -227,23 +225,13 @@ class QuantizedStorage(OffloadedStorage):
         return None if scales.keys is None else scales.keys.device
 
     def _step_of(self, index: torch.Tensor) -> torch.Tensor:
-        """The committed step each token of ``index`` belongs to. On the host, searched among the starts of the
-        steps its tokens lie in alone (a stream evicting for weeks reads a few steps, not a tensor of every step's
-        start, which it would keep a step at a time for ever)."""
-        if index.device.type != "cpu" or not index.numel():
-            if self._starts_tensor is None or self._starts_tensor.device != index.device:
-                self._starts_tensor = self._starts.tensor().to(index.device)
-            return torch.searchsorted(self._starts_tensor, index, right=True) - 1
-        spans: list[list[int]] = []  # [first step, end step) of the steps the tokens lie in, merged
-        for first, end in runs(index.unique()):
-            low, high = bisect_right(self._starts, first) - 1, bisect_right(self._starts, end - 1)
-            if spans and low <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], high)
-            else:
-                spans.append([low, high])
-        steps = torch.cat([torch.arange(low, high) for low, high in spans])
-        starts = torch.cat([torch.tensor(self._starts[low:high], dtype=torch.long) for low, high in spans])
-        return steps[torch.searchsorted(starts, index, right=True) - 1]
+        """The committed step each token of ``index`` belongs to. On the host, searched in the starts' runs (a
+        stream evicting for weeks keeps no tensor of every step's start, which would grow a step at a time)."""
+        if index.device.type == "cpu":
+            return self._starts.searched(index) - 1
+        if self._starts_tensor is None or self._starts_tensor.device != index.device:
+            self._starts_tensor = self._starts.tensor().to(index.device)
+        return torch.searchsorted(self._starts_tensor, index, right=True) - 1
 
     def _dequantized(self, parts, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key_codes, key_scales, value_codes, value_scales = (
