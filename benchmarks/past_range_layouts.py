@@ -10,7 +10,7 @@ prompt, each where its time in the stream scales to, never overlapping; `StreamP
 And other ways of scoring frames (`retrieval_variant`):
 
 ``stored``: the engine's rule with every step's keys compared as they were stored (before
-`statekv.core.positions.placing.StreamPositions.scoring_turns`): past the range a step is then scored at the rotation it
+`statekv.core.positions.placing.ScoringTurns`): past the range a step is then scored at the rotation it
 was encoded at, the same few positions for every step (own-then-cache) or thousands of positions *after* the
 question (grouped), never where the question reads it.
 ``flat``: the engine's rule without its segment index: every step scored (what hierarchical retrieval costs).
@@ -67,10 +67,10 @@ def _install_retrieval_variants() -> None:
 
     turns, candidates = ContextPlacing.scoring_turns, Retrieval.candidates
 
-    def scoring_turns(self, steps, segment_steps, segments):
+    def scoring_turns(self, steps, segment_steps):
         if _ACTIVE["retrieval"] == "stored":
-            return None, None, None
-        return turns(self, steps, segment_steps, segments)
+            return None  # every step scored as stored
+        return turns(self, steps, segment_steps)
 
     def some_candidates(self, seen, first):
         return None if _ACTIVE["retrieval"] == "flat" else candidates(self, seen, first)

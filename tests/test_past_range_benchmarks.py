@@ -45,6 +45,44 @@ def test_the_question_layouts_set_the_streams_span():
             pass
 
 
+def test_the_retrieval_variants_answer_past_the_range(tmp_path, monkeypatch):
+    """Before: the variants' wrapper of `ContextPlacing.scoring_turns` kept its old three arguments and tuple, so
+    every retrieving question past the range (each variant, the engine's own too) was refused with a TypeError."""
+    import numpy as np
+
+    import statekv
+    from statekv.core.answering.answer_cache import ContextPlacing
+    from statekv.core.answering.retrieval import Retrieval
+    from statekv.core.positions.placing import StreamPositions
+    from statekv.core.stream.prefill import StreamingPrefill
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+             "num_hidden_layers": 1}
+    qa = statekv.VideoQA.from_pretrained(make_tiny_checkpoint("internvl", tmp_path / "ckpt", text_config=short,
+                                                              vision_config={"image_size": 112}),
+                                         method="statekv", reserve_tokens=24, budget=24)
+    stream = qa.stream()
+    for image in np.random.default_rng(0).integers(0, 256, (14, 32, 32, 3), dtype=np.uint8):
+        stream.push(image)
+    assert stream.prefill.positions.bounded
+    own = stream.ask_tokens("Why?", retrieve=2, max_new_tokens=2), stream.answer_info.read_frames
+    for owner, name in ((StreamingPrefill, "question_plan"), (StreamPositions, "question"),
+                        (StreamPositions, "context_deltas"), (ContextPlacing, "scoring_turns"),
+                        (Retrieval, "candidates")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # put back once the test ends
+    for name in ("last_plan", "_past_range_installed"):
+        monkeypatch.setattr(StreamingPrefill, name, None, raising=False)
+    layouts = benchmark("past_range_layouts")
+    layouts.install()
+    engine = stream.ask_tokens("Why?", retrieve=2, max_new_tokens=2), stream.answer_info.read_frames
+    assert torch.equal(engine[0], own[0]) and engine[1] == own[1]
+    for variant in ("stored", "flat", "wide"):
+        with layouts.retrieval_variant(variant):
+            assert stream.ask_tokens("Why?", retrieve=2, max_new_tokens=2).shape == (1, 2)
+    stream.close()
+
+
 def test_the_held_out_table_pools_the_target_families_with_intervals(tmp_path):
     heldout = benchmark("past_range_heldout")
     assert heldout.tally(tmp_path) is None  # not done: no row
