@@ -69,8 +69,9 @@ class Shares:
 
     def __init__(self, stream, objects: set[int], recent: int):
         self.stream, self.objects, self.recent = stream, objects, recent
-        self.begun = stream.prefill.cache.step_starts().numel() - 1  # the steps before the first frame
-        self.prefix = int(stream.prefill.cache.step_starts()[1]) if self.begun else 0
+        starts = stream.prefill.cache.starts
+        self.begun = len(starts) - 1  # the steps before the first frame
+        self.prefix = starts[1] if self.begun else 0
         self.rows: dict[int, dict] = {}
         self.ends: list[int] = []  # each frame step's first position after its tokens at their own positions
         self.visual: list[int] = []  # where each frame step's first visual token lies in its chunk
@@ -94,7 +95,7 @@ class Shares:
         frame = step - self.begun
         if frame not in self.objects:
             return
-        start = int(self.stream.prefill.cache.step_starts()[step])  # the chunk's first own position
+        start = self.stream.prefill.cache.starts[step]  # the chunk's first own position
         positions = self.stream.prefill.carried_positions(layer)[0]  # lined up with the keys (window, slots)
         row = self.rows.setdefault(frame, {"frame": frame, "carried": int(positions.shape[-1])})
         for name, offset in TOKENS.items():
