@@ -6,8 +6,6 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-import torch
-
 from ..core import Retrieval
 from ..core.positions.placing import QuestionPlan
 from ..core.watching.fitting import check_retrieval_fits

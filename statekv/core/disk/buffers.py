@@ -371,10 +371,11 @@ class MappedTokenBuffer:
             raise OutputError(f"cannot map the disk cache in {where}: {error.strerror or error}") from None
 
     def _grow(self, capacity: int, needed: int) -> None:
-        """Room for ``capacity`` rows. In blocks, the files of the block row ``needed - 1`` lies in are made (so a disk
-        that refuses them refuses the step as it is staged, before anything of it is taken; later blocks are made as
-        they are first written); format 4's files are extended, or where the file system refuses a file that large (``EFBIG``: past its
-        largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least (found by bisection)."""
+        """Room for ``capacity`` rows. In blocks, the files of the block row ``needed - 1`` lies in are made (so a
+        disk that refuses them refuses the step as it is staged, before anything of it is taken; later blocks are
+        made as they are first written); format 4's files are extended, or where the file system refuses a file that
+        large (``EFBIG``: past its largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least
+        (found by bisection)."""
         if self.block_rows is not None:
             self._capacity = -(-capacity // self.block_rows) * self.block_rows
             self._block_fds((needed - 1) // self.block_rows)
