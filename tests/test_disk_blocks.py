@@ -228,3 +228,28 @@ def test_a_resumed_stream_whose_kept_segment_index_block_is_missing_is_refused(a
         path.unlink()
     with pytest.raises(InputError, match=r"layer1\.segment_index\.0\.0\.bin is missing"):
         Stream.load(folder, qa)
+
+
+def test_a_blocks_files_grow_with_its_rows(tmp_path):
+    """A block's files are as long as the rows written to them (grown geometrically, sparse), not a whole block
+    from its first row: before, a stream of a few frames had files of 64 MiB each, which a copy by a tool blind to
+    holes (Python's shutil, rsync without -S) wrote out whole, filling the disk."""
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    rows = torch.arange(256, dtype=torch.float32).view(1, 1, 1, 256)  # a row of 1 KiB
+    for row in range(10):
+        buffer.write(row, rows + row, -rows - row)
+        buffer.length = row + 1
+    sizes = _files(tmp_path)
+    assert buffer.block_rows * buffer.row_bytes >= 64 << 20 and len(sizes) == 2
+    assert max(sizes.values()) <= MappedTokenBuffer.MIN_CAPACITY * buffer.row_bytes, sizes
+    for row in range(10, 300):
+        buffer.write(row, rows + row, -rows - row)
+        buffer.length = row + 1
+    assert 300 * buffer.row_bytes <= max(_files(tmp_path).values()) <= 2 * 300 * buffer.row_bytes
+    keys, values = buffer.view(0, 300)
+    assert torch.equal(keys[0, 0, :, 0], torch.arange(300, dtype=torch.float32)) and torch.equal(values, -keys)
+    buffer.close()
+    again = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    again.open((1, 1, 256), torch.float32, 300, block_rows=buffer.block_rows)
+    assert torch.equal(again.gather(torch.tensor([299, 0]))[0][0, 0, :, 0], torch.tensor([299.0, 0.0]))
+    again.close()

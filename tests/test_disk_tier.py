@@ -202,7 +202,7 @@ def test_damaged_file_sets_are_refused_with_one_line(adapters, tmp_path):
             values.write_bytes(b"")
         _refused(folder, qa, "the disk cache is damaged: " + (  # a block gone was given back, unless a step held it
             "step 0's data does not match" if damage == "missing" else
-            "layer1.detailed.1.0.bin is shorter than a block"))
+            "layer1.detailed.1.0.bin is shorter than the rows its journal lists"))
         assert values.exists() == (damage == "short")  # not made again by the refused load
 
     folder = _disk_stream(adapter, tmp_path / "f")  # before: reading a pipe waited for a writer, for ever

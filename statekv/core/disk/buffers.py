@@ -241,9 +241,10 @@ class MappedTokenBuffer:
                 self.missing.append((at * block_rows, block * block_rows))
                 self.released.add(at * block_rows, block * block_rows)
             at = block + 1
-            if min(sizes.values()) < block_rows * self.row_bytes:
+            if min(sizes.values()) < (min((block + 1) * block_rows, length) - block * block_rows) * self.row_bytes:
                 short = self._path(min(sizes, key=sizes.get), block).name
-                raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than a block")
+                raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than the rows "
+                                 "its journal lists")
             self._unsynced.add(block)
         if at < blocks:
             self.missing.append((at * block_rows, length))
@@ -305,18 +306,16 @@ class MappedTokenBuffer:
                 Path(f"{self.prefix}.{part}.{block}.bin").unlink(missing_ok=True)
 
     def _block_fds(self, block: int) -> list[int]:
-        """The files of block ``block``, one a part, open for writing (made, a block long, if they are not)."""
+        """The files of block ``block``, one a part, open for writing (made, empty, if they are not: a block's files
+        grow with its rows, `_grow`, so a folder copied by a tool blind to holes copies what it holds)."""
         if self._tail == block and self._fds:
             return self._fds
         close_all(self._fds)
         self._tail = None
         fds: list[int] = []
-        size = self.block_rows * self.row_bytes
         try:
             for part in range(self.parts):
                 fds.append(os.open(self._path(part, block), os.O_RDWR | os.O_CREAT, 0o644))
-                if os.fstat(fds[-1]).st_size < size:
-                    os.ftruncate(fds[-1], size)  # sparse until written
             # its names flushed at the next sync, even where its files were there: a process killed before its
             # sync may have left them, their names not on the device
             self._made_files = True
@@ -358,8 +357,14 @@ class MappedTokenBuffer:
                     path, start = self._path(part, block), block * self.block_rows
                     held = start < self.length and not self._given_back(start, min(start + self.block_rows,
                                                                                     self.length))
-                    if held or path.exists():  # else gone (given back after a checkpoint resumed) or not written
-                        mapped(path, size, region, (block - first) * size)
+                    try:
+                        length = min(size, path.stat().st_size)  # a block's files grow with its rows
+                    except FileNotFoundError:
+                        if held:
+                            raise
+                        continue  # gone (given back after a checkpoint resumed) or not written
+                    if length:
+                        mapped(path, length, region, (block - first) * size)
                 tensors.append(torch.frombuffer(region, dtype=self.dtype)
                                .view((last - first) * self.block_rows, b, h, x).permute(1, 2, 0, 3))
             return tensors
@@ -371,14 +376,25 @@ class MappedTokenBuffer:
             raise OutputError(f"cannot map the disk cache in {where}: {error.strerror or error}") from None
 
     def _grow(self, capacity: int, needed: int) -> None:
-        """Room for ``capacity`` rows. In blocks, the files of the block row ``needed - 1`` lies in are made (so a
-        disk that refuses them refuses the step as it is staged, before anything of it is taken; later blocks are
-        made as they are first written); format 4's files are extended, or where the file system refuses a file that
+        """Room for ``capacity`` rows. In blocks, the files of the block row ``needed - 1`` lies in are made and
+        grown to hold it (geometrically, up to a block: sparse, and as long as its rows, so a copy by a tool blind to
+        holes is not a block a file), so a disk that refuses them refuses the step as it is staged, before anything
+        of it is taken; format 4's files are extended, or where the file system refuses a file that
         large (``EFBIG``: past its largest file, 16 TiB on ext4), to the most rows it takes, ``needed`` at least
         (found by bisection)."""
         if self.block_rows is not None:
-            self._capacity = -(-capacity // self.block_rows) * self.block_rows
-            self._block_fds((needed - 1) // self.block_rows)
+            block = (needed - 1) // self.block_rows
+            start = block * self.block_rows
+            rows = min(self.block_rows, max(needed - start, self.MIN_CAPACITY,
+                                            math.ceil(max(self._capacity - start, 0) * self.GROWTH)))
+            try:
+                for fd in self._block_fds(block):
+                    if os.fstat(fd).st_size < rows * self.row_bytes:
+                        os.ftruncate(fd, rows * self.row_bytes)
+            except OSError as error:
+                raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
+                                  f"{error.strerror or error}") from None
+            self._capacity = start + rows
             return
         taken, refused, size = self._capacity, None, capacity
         while True:
