@@ -192,3 +192,14 @@ def no_model_loads(monkeypatch):
 
     for adapter in {adapter_for(model_type) for model_type in supported_model_types()}:
         monkeypatch.setattr(adapter, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Disk-tier blocks of one page (the smallest a block may be), so a short stream fills many."""
+    import mmap
+
+    import statekv.core.disk.buffers as buffers
+
+    monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
+    monkeypatch.setattr(buffers.MappedTokenBuffer, "BLOCK_BYTES", 1)

@@ -27,12 +27,6 @@ def adapter(checkpoint):
     return load_adapter(checkpoint, layout="chat")
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of one page (the smallest a block may be), so a short stream fills many."""
-    monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
-    monkeypatch.setattr(MappedTokenBuffer, "BLOCK_BYTES", 1)
-
 
 def _files(folder, pattern="layer*.bin"):
     return {path.name: path.stat().st_size for path in folder.glob(pattern)}

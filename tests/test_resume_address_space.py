@@ -4,15 +4,12 @@ the 128 TiB of a process's addresses, although its cap bounds what it holds)."""
 
 from __future__ import annotations
 
-import mmap
-
 import pytest
 import torch
 
 import statekv.core.disk.buffers as buffers
 import statekv.core.disk.tier as tier
 from statekv import Stream
-from statekv.core.disk.buffers import MappedTokenBuffer
 from statekv.models import load_adapter
 
 from conftest import random_frames, tiny_qa
@@ -26,10 +23,8 @@ def adapter(checkpoint):
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of one page, so a short stream fills many and gives most of them back."""
-    monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
-    monkeypatch.setattr(MappedTokenBuffer, "BLOCK_BYTES", 1)
+def small_blocks(small_blocks, monkeypatch):
+    """Blocks of one page, so a short stream fills many and gives most of them back, checkpointed often."""
     monkeypatch.setattr(tier, "CHECKPOINT_STEPS", 4)
 
 
