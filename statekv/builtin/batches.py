@@ -9,11 +9,12 @@ videos are written losslessly, so the model's input is the same either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from ..models import InternVLAdapter
 from ..models.base import LayoutState
@@ -55,6 +56,19 @@ class FrameBank:
 
 
 @dataclass
+class Reading:
+    """What each question row reads instead of its whole video, as a question past the range reads its retrieved
+    frames: the video tokens ``tokens`` ``[R, C]`` (the prompt's prefix, then a few frames' tokens in time order;
+    padding repeats token 0), ``valid`` ``[R, C]`` bool (False: padding), the position each is read at ``places``
+    ``[R, C]``, and where the question's prompt starts, ``start`` ``[R]``."""
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    places: torch.Tensor
+    start: torch.Tensor
+
+
+@dataclass
 class Batch:
     """video_ids ``[1, Lv]`` (shared: every video of a batch has ``N`` frames); still_ids ``[B, N]``;
     question_ids ``[B * Q, Lq]`` right-padded, each row a question followed by its answer letter and the end
@@ -70,7 +84,9 @@ class Batch:
     counting ``[B, Lv, Lv]``: the attention `COUNTING_HEAD` is trained towards, a row per object frame's visual
     token (all-zero rows elsewhere). All are auxiliary targets, at positions where nothing is ever decoded.
     video_positions ``[1, Lv]``: the RoPE position of each video token (None: its index), the questions continuing
-    after the last."""
+    after the last. evidence_frames: each row's evidence frames. reading: what each row reads (None: its whole video,
+    as the questions continue it).
+    """
 
     video_ids: torch.Tensor
     still_ids: torch.Tensor
@@ -85,6 +101,8 @@ class Batch:
     evidence: torch.Tensor
     counting: torch.Tensor
     video_positions: torch.Tensor | None = None
+    evidence_frames: list[tuple[int, ...]] = field(default_factory=list)
+    reading: Reading | None = None
 
     @property
     def questions_per_video(self) -> int:
@@ -184,7 +202,7 @@ class BatchMaker:
         if times is not None:
             plans = [replace(plan, times=tuple(times), length=length) for plan in plans]
         video_ids = self.video_ids(num_frames) if times is None else self.timeline_ids(tuple(times))
-        rows, families, words, evidence = [], [], [], []
+        rows, families, words, evidence, evidence_frames = [], [], [], [], []
         positions = self.frame_positions(num_frames) if times is None else frame_slots(video_ids, self.adapter)
         for plan in plans:
             for spec in ask_all(plan, rng, self.families if asked is None else asked):
@@ -193,6 +211,7 @@ class BatchMaker:
                 families.append(spec.family)
                 words.append((mark, self._word(spec.options[spec.answer])))
                 evidence.append(positions[list(spec.evidence)].flatten())
+                evidence_frames.append(tuple(spec.evidence))
         width = max(map(len, rows))
         question_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         target_positions = torch.empty((len(rows), 2), dtype=torch.long)
@@ -208,7 +227,7 @@ class BatchMaker:
                                        for frame in frame_words(plan)] for plan in plans])
         return Batch(video_ids, still_ids, question_ids, target_positions, targets, families, positions,
                      frame_targets, *torch.tensor(words).unbind(1), evidence_mask,
-                     counting_targets(plans, positions[:, 0], video_ids.shape[1]))
+                     counting_targets(plans, positions[:, 0], video_ids.shape[1]), evidence_frames=evidence_frames)
 
     @lru_cache(maxsize=64)
     def frame_positions(self, num_frames: int) -> torch.Tensor:
@@ -231,8 +250,10 @@ def forward_targets(model, bank: FrameBank, batch: Batch, lean: bool = False) ->
 
     The videos go through the decoder once (``[B, Lv]``, visual features in place of the image tokens); the
     key/value cache is repeated for each video's questions, which then run as one batch ``[B * Q, Lq]``. With
-    causal attention this equals running every question after its own copy of the video. lean: the video's pass
-    keeps `COUNTING_HEAD`'s map alone (`statekv.builtin.lean`), not every layer's: for videos too long for them.
+    causal attention this equals running every question after its own copy of the video; with ``batch.reading``,
+    each question reads only what it names of its video's cache, placed where it says (`read_context`). lean: the
+    video's pass keeps `COUNTING_HEAD`'s map alone (`statekv.builtin.lean`), not every layer's: for videos too long
+    for them.
     """
     inner = model.model
     videos, frames = batch.still_ids.shape
@@ -262,23 +283,59 @@ def forward_targets(model, bank: FrameBank, batch: Batch, lean: bool = False) ->
     frames_hidden = inner.language_model.norm(video.hidden_states[FRAME_TARGET_LAYER + 1][:, batch.frame_positions])
     frame_logits = model.lm_head(frames_hidden)  # [B, N, 2, vocab]
     cache = video.past_key_values
-    cache.batch_repeat_interleave(batch.questions_per_video)
-    after = {} if placed is None else {"position_ids": int(placed[0, -1]) + 1 + torch.arange(
-        batch.question_ids.shape[1]).expand_as(batch.question_ids)}
+    if batch.reading is None:
+        cache.batch_repeat_interleave(batch.questions_per_video)
+        after = {} if placed is None else {"position_ids": int(placed[0, -1]) + 1 + torch.arange(
+            batch.question_ids.shape[1]).expand_as(batch.question_ids)}
+        evidence, length = batch.evidence, batch.video_ids.shape[1]
+    else:
+        cache, after, evidence = read_context(inner.language_model, cache, batch)
+        length = evidence.shape[1]
     questions = inner.language_model(input_ids=batch.question_ids, past_key_values=cache, use_cache=True,
                                      output_attentions=True, **after)
     hidden = questions.last_hidden_state
     picked = hidden.gather(1, batch.target_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     rows = torch.arange(hidden.shape[0])
     words = hidden[rows, batch.word_positions]
-    length = batch.video_ids.shape[1]
     evidence_mass = torch.stack([  # [B * Q, heads]
-        (questions.attentions[layer][rows, head, batch.word_positions - 1, :length] * batch.evidence).sum(-1)
+        (questions.attentions[layer][rows, head, batch.word_positions - 1, :length] * evidence).sum(-1)
         for layer, head in SUPERVISED_HEADS], dim=-1)
     layer, head = READING_HEAD
     reading_mass = questions.attentions[layer][rows, head, batch.target_positions[:, 0], length + batch.word_positions - 1]
     return (model.lm_head(picked), frame_logits, model.lm_head(words),
             torch.cat([evidence_mass, reading_mass[:, None]], -1), counting_loss)
+
+
+def read_context(language_model, cache, batch: Batch) -> tuple[DynamicCache, dict[str, torch.Tensor], torch.Tensor]:
+    """Each question row's own cache of what ``batch.reading`` says it reads of its video's ``cache`` (``[B, H, Lv,
+    D]`` a layer, keys turned from where the video pass placed them to ``reading.places``, values as they are, the
+    gradient kept), the question pass's ``position_ids`` and ``attention_mask`` (padding masked), and the evidence
+    among what each row reads ``[R, C]`` bool."""
+    reading = batch.reading
+    rows = torch.arange(reading.tokens.shape[0]) // batch.questions_per_video  # each row's video
+    own = torch.arange(batch.video_ids.shape[1]) if batch.video_positions is None else batch.video_positions[0]
+    delta = reading.places - own[reading.tokens]  # [R, C]
+    inv_freq = language_model.rotary_emb.inv_freq
+    read = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        heads, width = layer.keys.shape[1], layer.keys.shape[-1]
+        where = reading.tokens[:, None, :, None].expand(-1, heads, -1, width)
+        keys = layer.keys.index_select(0, rows).gather(2, where)
+        values = layer.values.index_select(0, rows).gather(2, where)
+        read.update(turned(keys, delta[:, None], inv_freq), values, index)
+    question_ids = batch.question_ids
+    after = {"position_ids": reading.start[:, None] + torch.arange(question_ids.shape[1]),
+             "attention_mask": torch.cat([reading.valid, torch.ones_like(question_ids, dtype=torch.bool)], 1).long()}
+    return read, after, batch.evidence.gather(1, reading.tokens) & reading.valid
+
+
+def turned(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``keys`` ``[..., N, D]`` (RoPE at some position, over all D dims) turned ``delta`` ``[..., N]`` positions
+    more, as `statekv.core.positions.rotation.rotate` does, but differentiable."""
+    angles = delta.unsqueeze(-1).float() * inv_freq.float()  # [..., N, D / 2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    first, second = keys.chunk(2, -1)
+    return (keys.float() * cos + torch.cat([-second, first], -1).float() * sin).to(keys.dtype)
 
 
 def still_logits(model, bank: FrameBank) -> torch.Tensor:

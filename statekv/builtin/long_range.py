@@ -17,8 +17,9 @@ distances and anchors it never saw (docs/accuracy.md, "Past the range: causes").
 * a dense batch (share ``dense_share`` of the steps that are not the curriculum's; none in the shipped recipe):
   consecutive frames, every token attending to all before it, either a window of a longer stream placed as full
   attention places its history past the range (`dense_batch`) or whole videos longer than the curriculum's, at
-  their own positions (``dense_whole``, `whole_batch`). Tried, not shipped (docs/accuracy.md, "Past the range:
-  full attention trained on dense windows").
+  their own positions (``dense_whole``, `whole_batch`), whose questions read the whole video or (``dense_read``)
+  a few of its frames placed as a question past the range reads its retrieved frames (`read_frames`). Tried, not
+  shipped (docs/accuracy.md, "Past the range: full attention trained on dense windows" and after).
 
 Every target and loss weight is the curriculum's (`statekv.builtin.batches`).
 """
@@ -34,9 +35,11 @@ import numpy as np
 import torch
 
 from ..core.positions.layouts import GroupedDistances, grouped_places
+from ..core.positions.placing import spread_places
 from ..core.positions.rope import trained_range
+from ..settings.engine import DEFAULT_QUESTION_SPAN
 from ..synthetic.seeds import TRAINING_SEEDS
-from .batches import Batch, BatchMaker
+from .batches import Batch, BatchMaker, Reading
 
 CURRICULUM_FRAMES = 96  # the curriculum's last video length, the long-range phase's video regime
 # A dense batch's questions: count's options stop at 4 and a window's frames lie in one or two quarters of a stream
@@ -52,7 +55,9 @@ class LongRange:
     ``training_rng(seed, i)``. dense_share: of the steps that are not the curriculum's, the share of dense batches
     (`dense_batch`, of ``dense_videos`` videos; 0, the shipped recipe's: none). dense_whole: a dense batch is
     whole videos from their first frame instead (`whole_batch`); dense_quarters: such a batch trains each frame's
-    quarter of its video (False: untrained, as a window's)."""
+    quarter of its video (False: untrained, as a window's). dense_read: each question of such a whole batch reads
+    the prompt's prefix and this many of its video's frames, its evidence among them (`read_frames`), not the whole
+    video (0: the whole video); each video is then asked `DENSE_FAMILIES` ``dense_asked`` times."""
 
     steps: int = 600
     learning_rate: float = 5e-4
@@ -67,6 +72,8 @@ class LongRange:
     dense_videos: int = 2
     dense_whole: bool = False
     dense_quarters: bool = True
+    dense_read: int = 0
+    dense_asked: int = 2
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the phase's step ``step`` (0-based)."""
@@ -147,10 +154,52 @@ def whole_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, f
     """Videos of ``frames`` frames from their first, every token at its own position and attending to all before
     it, as the curriculum's are but longer (a one-shot forward of a long video: full attention inside the range);
     as many videos as make ``phase.dense_videos`` of the longest of ``phase.dense_frames``, every family asked."""
-    batch = maker.make(rng, max(1, phase.dense_videos * max(phase.dense_frames) // frames), frames)
+    videos = max(1, phase.dense_videos * max(phase.dense_frames) // frames)
+    if phase.dense_read:
+        batch = maker.make(rng, videos, frames, asked=DENSE_FAMILIES * phase.dense_asked)
+        batch.reading = read_frames(batch, maker, rng, phase.dense_read)
+    else:
+        batch = maker.make(rng, videos, frames)
     if not phase.dense_quarters:  # of videos of several lengths, a frame's quarter is not in what it attends to
         batch.frame_targets[:, :, 1, 1] = UNTRAINED
     return batch
+
+
+def read_frames(batch: Batch, maker: BatchMaker, rng: np.random.Generator, frames: int) -> Reading:
+    """Each question of ``batch`` (whole videos at their own positions) reads the prompt's prefix and ``frames`` of
+    its video's frames, its evidence and others drawn at random, as a question past the range reads the frames it
+    retrieved of a stream (`StreamPositions.question` and ``spread``, the default ``question_span``): each frame
+    where its time scales to in the span before the prompt, the video being the first part of a stream up to four
+    times as long (log-uniform; one length a batch)."""
+    adapter = maker.adapter
+    prefix = adapter.prefix(adapter.start(batch.still_ids.shape[1]))
+    low = 0 if prefix is None else prefix.input_ids.shape[1]
+    ends = (batch.frame_positions[:, 1] + 1).tolist()  # each frame's text ends with its </img>
+    firsts = [low] + ends[:-1]
+    count = len(ends)
+    stream = math.exp(rng.uniform(0, math.log(4)))
+    length = max(round((ends[-1] - low) * stream), 1)
+    widest = max(end - first for first, end in zip(firsts, ends))
+    start = low + max(frames * widest, DEFAULT_QUESTION_SPAN)
+    rows = []
+    for evidence in batch.evidence_frames:
+        others = [frame for frame in range(count) if frame not in evidence]
+        drawn = rng.choice(others, size=min(max(frames - len(evidence), 0), len(others)), replace=False).tolist()
+        chosen = sorted({*evidence, *drawn})
+        spans = [ends[frame] - firsts[frame] for frame in chosen]
+        places = spread_places([firsts[frame] for frame in chosen], spans, low, low, length, start)
+        tokens = list(range(low)) + [token for frame in chosen for token in range(firsts[frame], ends[frame])]
+        placed = list(range(low)) + [place + offset for place, span in zip(places, spans) for offset in range(span)]
+        rows.append((tokens, placed))
+    width = max(len(tokens) for tokens, _ in rows)
+    tokens = torch.zeros((len(rows), width), dtype=torch.long)
+    places = torch.zeros((len(rows), width), dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    for row, (read, placed) in enumerate(rows):  # left-padded: the prompt follows the last frame read
+        tokens[row, width - len(read):] = torch.tensor(read)
+        places[row, width - len(read):] = torch.tensor(placed)
+        valid[row, width - len(read):] = True
+    return Reading(tokens, valid, places, torch.full((len(rows),), start, dtype=torch.long))
 
 
 def grouped_positions(batch: Batch, maker: BatchMaker, earlier: int) -> torch.Tensor:

@@ -61,6 +61,22 @@ def choose_positions(requested: str | None, config, horizon: int | None) -> str:
     return "stream"
 
 
+def spread_places(firsts: list[int], spans: list[int], low: int, origin: int, length: int, start: int) -> list[int]:
+    """Where steps first at stream positions ``firsts`` (ascending) and ``spans`` positions long are read between
+    ``low`` and a prompt at ``start``: each where its time since ``origin`` in a stream of ``length`` positions
+    scales to, moved the least to keep them in time order, apart and before the prompt (`StreamPositions.spread`)."""
+    room = start - low - spans[-1]
+    placed: list[int] = []
+    for index, first in enumerate(firsts):  # in time order, never overlapping
+        wanted = low + (first - origin) * room // length
+        placed.append(max(wanted, placed[-1] + spans[index - 1]) if placed else max(wanted, low))
+    end = start
+    for index in reversed(range(len(firsts))):  # and all before the prompt
+        placed[index] = min(placed[index], end - spans[index])
+        end = placed[index]
+    return placed
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Where one step's chunk goes: ``first`` its first position in the stream (temporal row for M-RoPE),
@@ -302,19 +318,11 @@ class StreamPositions:
         end and ``start`` (the stream's first step after the prefix at the prefix's end, its latest ending right
         before the prompt), moved the least to keep the steps in time order without overlapping and before the
         prompt. Packed when the steps fill the room."""
-        spans, low = self.spans, self.keep_end(keep_steps)
+        low = self.keep_end(keep_steps)
         origin = self.firsts[keep_steps] if keep_steps < len(self.firsts) else low
-        length = max(self.next_first - origin, 1)
-        room = start - low - spans[later[-1]]
-        placed: list[int] = []
-        for step in later:  # in time order, never overlapping
-            wanted = low + (self.firsts[step] - origin) * room // length
-            placed.append(max(wanted, placed[-1] + spans[later[len(placed) - 1]] if placed else low))
-        end = start
-        for i in reversed(range(len(later))):  # and all before the prompt
-            placed[i] = min(placed[i], end - spans[later[i]])
-            end = placed[i]
-        return dict(zip(later, placed))
+        places = spread_places([self.firsts[step] for step in later], [self.spans[step] for step in later], low,
+                               origin, max(self.next_first - origin, 1), start)
+        return dict(zip(later, places))
 
     def scoring_turns(self, plan: QuestionPlan, steps: int, segment_steps: int = 0, segments: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
