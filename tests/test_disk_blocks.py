@@ -247,3 +247,33 @@ def test_a_blocks_files_grow_with_its_rows(tmp_path):
     again.open((1, 1, 256), torch.float32, 300, block_rows=buffer.block_rows)
     assert torch.equal(again.gather(torch.tensor([299, 0]))[0][0, 0, :, 0], torch.tensor([299.0, 0.0]))
     again.close()
+
+
+def test_verifying_a_resumed_stream_opens_each_block_file_a_bounded_number_of_times(adapter, tmp_path, small_blocks,
+                                                                                  monkeypatch):
+    """Resuming a stream whose blocks hold many steps' rows checks every step's checksum opening each block file once
+    or twice (before: once a step, for a stream of millions of steps millions of opens), and so does journaling a
+    saved stream loaded onto the disk tier; both answer alike."""
+    import collections
+    import os
+    from pathlib import Path
+
+    qa = tiny_qa(adapter, "recency", offload="disk", offload_dir=tmp_path / "disk")
+    stream = qa.stream()
+    for frame in random_frames(40):
+        stream.push(frame)
+    answer = stream.ask_tokens(QUESTION, max_new_tokens=4)
+    saved = stream.save(tmp_path / "saved.statekv")
+    stream.close()
+    folder = stream.prefill.disk.folder
+    assert len(list(folder.glob("layer0.step_means.0.*.bin"))) * 20 < len(stream.prefill.cache.chunk_lengths)
+    for source in (folder, saved):
+        opened, real_open = collections.Counter(), os.open
+        with monkeypatch.context() as counting:
+            counting.setattr(os, "open", lambda path, *args, **kw: (opened.update([str(path)]),
+                                                                    real_open(path, *args, **kw))[1])
+            resumed = Stream.load(source, qa)
+        blocks = {path: count for path, count in opened.items() if Path(path).match("layer*.bin")}
+        assert blocks and max(blocks.values()) <= 2, (source, collections.Counter(blocks).most_common(3))
+        assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4), answer)
+        resumed.close()

@@ -11,7 +11,8 @@ import math
 import os
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -66,6 +67,8 @@ class MappedTokenBuffer:
         self._capacity = 0
         self._fds: list[int] = closed_with(self, [])  # the files of block `_tail` (format 4: its only files)
         self._tail: int | None = None
+        # while `reading`: the block `read_rows` last read, and its files (-1: gone), kept open for the next read
+        self._reading: tuple[int, list[int]] | None = None
         self._unsynced: set[int] = set()  # blocks written since the last sync
         self._made_files = False  # a block file made since the last sync (its name not flushed yet)
         self.crc = 0  # CRC-32 of the bytes written since the owner last reset it
@@ -427,21 +430,48 @@ class MappedTokenBuffer:
         row, out = self.row_bytes, [b""] * self.parts
         for block, (first, last) in self._pieces(start, end):
             offset, count = (first - self._first(block)) * row, (last - first) * row
-            for part in range(self.parts):
-                if block == self._tail and self._fds:
-                    data = os.pread(self._fds[part], count, offset)
-                else:
-                    try:
-                        fd = os.open(self._path(part, block), os.O_RDONLY)
-                    except FileNotFoundError:
-                        data = bytes(count)
-                    else:
-                        try:
-                            data = os.pread(fd, count, offset)
-                        finally:
-                            os.close(fd)
-                out[part] += data
+            fds, kept = self._read_fds(block)
+            try:
+                for part, fd in enumerate(fds):
+                    out[part] += bytes(count) if fd < 0 else os.pread(fd, count, offset)
+            finally:
+                if not kept:
+                    close_all([fd for fd in fds if fd >= 0])
         return out
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within it `read_rows` keeps the files of the block it read last open: a pass reading rows in order (every
+        step's checksum verified) opens each block's files once, not once a step."""
+        self._reading = (-1, [])
+        try:
+            yield
+        finally:
+            close_all([fd for fd in self._reading[1] if fd >= 0])
+            self._reading = None
+
+    def _read_fds(self, block: int) -> tuple[list[int], bool]:
+        """Block ``block``'s files open for reading, one a part (-1: gone, reading as zeros), and whether they are
+        kept open (else the caller closes them)."""
+        if block == self._tail and self._fds:
+            return self._fds, True
+        if self._reading is not None and self._reading[0] == block:
+            return self._reading[1], True
+        fds: list[int] = []
+        try:
+            for part in range(self.parts):
+                try:
+                    fds.append(os.open(self._path(part, block), os.O_RDONLY))
+                except FileNotFoundError:
+                    fds.append(-1)
+        except BaseException:
+            close_all([fd for fd in fds if fd >= 0])
+            raise
+        if self._reading is None:
+            return fds, False
+        close_all([fd for fd in self._reading[1] if fd >= 0])
+        self._reading = (block, fds)
+        return fds, True
 
     def release(self, start: int, end: int) -> None:
         """Give rows ``[start, end)`` back to the file system (they then read as zeros): a block every row of which

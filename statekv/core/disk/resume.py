@@ -67,18 +67,20 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         if "segment_index" in tier.buffers[layer]:
             _check_segments_there(where, tier.buffers[layer]["segment_index"].mirror, evicted, per_segment, len(steps))
     start, at = 0, 0  # the first token of step ``at``
-    for record in steps.held():  # a compacted step is evicted: its rows are punched, nothing to check
-        start, at = start + lengths.total(at, record["step"]), record["step"]
-        length = lengths[at]
-        if verify and at not in evicted:
-            crc = 0
-            for layer in range(len(tier.buffers)):
-                for name, buffer in tier.layer_files(layer):
-                    rows = rows_of(name, at, start, length, per_segment)
-                    crc = zlib.crc32((rows_crc(buffer, *rows) if rows else 0).to_bytes(4, "little"), crc)
-            if crc != record["crc"]:
-                raise InputError(f"{where}: the disk cache is damaged: step {at}'s data does not match its checksum")
-        start, at = start + length, at + 1
+    with tier.reading():
+        for record in steps.held():  # a compacted step is evicted: its rows are punched, nothing to check
+            start, at = start + lengths.total(at, record["step"]), record["step"]
+            length = lengths[at]
+            if verify and at not in evicted:
+                crc = 0
+                for layer in range(len(tier.buffers)):
+                    for name, buffer in tier.layer_files(layer):
+                        rows = rows_of(name, at, start, length, per_segment)
+                        crc = zlib.crc32((rows_crc(buffer, *rows) if rows else 0).to_bytes(4, "little"), crc)
+                if crc != record["crc"]:
+                    raise InputError(f"{where}: the disk cache is damaged: step {at}'s data does not match its "
+                                     "checksum")
+            start, at = start + length, at + 1
     start += lengths.total(at)
     restoring, tally = carried is not None, None
     if not restoring:

@@ -65,7 +65,8 @@ import os
 import shutil
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,15 @@ class DiskTier:
     def layer_files(self, layer: int) -> list[tuple[str, MappedTokenBuffer]]:
         """Layer ``layer``'s files, by name in a fixed order."""
         return sorted((name, getattr(buffer, "mirror", buffer)) for name, buffer in self.buffers[layer].items())
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within it, reading the steps' rows in order (`rows_crc`) opens each block file once, not once a step."""
+        with ExitStack() as stack:
+            for layer in range(len(self.buffers)):
+                for _, buffer in self.layer_files(layer):
+                    stack.enter_context(buffer.reading())
+            yield
 
     def check_owner(self) -> None:
         """An `OutputError` (and `lost` set) when the folder's path no longer names the folder this tier locked (moved
@@ -397,20 +407,21 @@ class DiskTier:
         if later:
             self.append({"evict": later})
         per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
-        for step, start in _held_starts(folded.held_runs(count), step_lengths):
-            length = step_lengths[step]
-            for layer in range(len(self.buffers)):
-                for name, buffer in self.layer_files(layer):
-                    rows = rows_of(name, step, start, length, per_segment)
-                    buffer.crc = rows_crc(buffer, *rows) if rows else 0
-            record = {"frames": step_frames[step]}
-            if placements is not None:
-                record["placed"] = placements[step]
-            self._cache, self.last_step = cache, step
-            lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
-            if step == count - 1:
-                record.update(extra)
-            self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
+        with self.reading():
+            for step, start in _held_starts(folded.held_runs(count), step_lengths):
+                length = step_lengths[step]
+                for layer in range(len(self.buffers)):
+                    for name, buffer in self.layer_files(layer):
+                        rows = rows_of(name, step, start, length, per_segment)
+                        buffer.crc = rows_crc(buffer, *rows) if rows else 0
+                record = {"frames": step_frames[step]}
+                if placements is not None:
+                    record["placed"] = placements[step]
+                self._cache, self.last_step = cache, step
+                lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
+                if step == count - 1:
+                    record.update(extra)
+                self.append({"step": step, "tokens": length, "crc": self._take_crc(), "lengths": lengths, **record})
         self.evicted_records = len(later)
         self.held_records = count - len(cache.evicted_steps)
         self.checkpoint()
