@@ -3,8 +3,13 @@ with the steps it ever took (a steady stream's lists as runs; the per-step talli
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from statekv.api.retrieved import held_frames
+from statekv.core.cache.step_runs import StepRuns
+from statekv.core.storage.step_values import StepValues
 from statekv.models import load_adapter
 
 from conftest import random_frames, tiny_qa
@@ -52,3 +57,17 @@ def test_an_evicting_streams_attention_tally_holds_the_steps_it_holds_not_every_
     assert len(cache.chunk_lengths) > 80 and len(cache.evicted_steps) > 70
     steps, totals = cache.tally.export(cache.evicted_steps)
     assert steps.numel() and bool((totals > 0).all())
+
+
+def test_the_frames_a_long_stream_holds_are_counted_by_runs_not_a_step_at_a_time():
+    """Before: the count a too-wide retrieval's refusal words (`held_frames`) built a tensor of every step's frames
+    and a mask of every step ever taken; a stream of a trillion steps (a forged history) could not be counted."""
+    steps = 10**12
+    starts, frames = StepValues([0]), StepValues([0])  # the prompt prefix: a step of three tokens, no frame
+    starts.extend_run(3, 6, steps)
+    frames.extend_run(1, 0, steps - 1)
+    evicted = StepRuns.from_runs([(1, steps // 2), (steps // 2 + 10, steps // 2 + 20)])
+    video = SimpleNamespace(prefill=SimpleNamespace(cache=SimpleNamespace(starts=starts, evicted_steps=evicted)),
+                            step_frames=frames)
+    assert held_frames(video, keep_tokens=3) == 10 + steps - (steps // 2 + 20)
+    assert held_frames(video, keep_tokens=9) == held_frames(video, keep_tokens=3)  # step 1 evicted anyway

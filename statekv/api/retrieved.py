@@ -47,5 +47,6 @@ def held_frames(video: Any, keep_tokens: int) -> int:
     tokens (the prompt prefix and sinks): what a retrieval of every held step reads."""
     cache = video.prefill.cache
     first = bisect.bisect_right(cache.starts, keep_tokens, lo=1) - 1  # steps wholly inside the kept tokens
-    frames = video.step_frames.tensor()[first:]
-    return int(frames[~cache.evicted_steps.mask(first + len(frames))[first:]].sum())
+    frames = video.step_frames
+    return sum(frames.total(max(start, first), end) for start, end in cache.evicted_steps.held_runs(len(frames))
+               if end > first)
