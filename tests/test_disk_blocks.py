@@ -5,6 +5,7 @@ answers and resumes as before, and a file set of format 4 (one file a part) stil
 from __future__ import annotations
 
 import mmap
+import os
 import resource
 import signal
 
@@ -277,3 +278,34 @@ def test_verifying_a_resumed_stream_opens_each_block_file_a_bounded_number_of_ti
         assert blocks and max(blocks.values()) <= 2, (source, collections.Counter(blocks).most_common(3))
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4), answer)
         resumed.close()
+
+
+def _written(folder, rows: int) -> MappedTokenBuffer:
+    """A buffer of two parts in one-page blocks (``small_blocks``), ``rows`` rows of 1 KiB written, row r all r."""
+    buffer = MappedTokenBuffer(2, None, folder / "layer0.detailed")
+    row = torch.ones(1, 1, 1, 256)
+    for at in range(rows):
+        buffer.write(at, row * at, -row * at)
+        buffer.length = at + 1
+    return buffer
+
+
+def _open_fds() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts the open descriptors in /proc")
+def test_a_checksum_pass_within_a_pass_is_part_of_it(tmp_path, small_blocks):
+    """Before: the inner pass dropped the files the outer one kept open (leaked) and the outer one's end raised a
+    TypeError."""
+    block = mmap.PAGESIZE // 1024
+    buffer = _written(tmp_path, 3 * block)  # three blocks, the last one the tail (its files open for writing)
+    assert buffer.block_rows == block
+    before = _open_fds()
+    with buffer.reading():
+        first = buffer.read_rows(0, 1)
+        with buffer.reading():
+            assert buffer.read_rows(block, block + 1)[0] == torch.full((256,), float(block)).numpy().tobytes()
+        assert buffer.read_rows(0, 1) == first
+    assert _open_fds() == before
+    buffer.close()

@@ -442,7 +442,11 @@ class MappedTokenBuffer:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Within it `read_rows` keeps the files of the block it read last open: a pass reading rows in order (every
-        step's checksum verified) opens each block's files once, not once a step."""
+        step's checksum verified) opens each block's files once, not once a step. A pass within a pass is part of
+        it."""
+        if self._reading is not None:
+            yield
+            return
         self._reading = (-1, [])
         try:
             yield
