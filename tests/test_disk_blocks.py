@@ -309,3 +309,24 @@ def test_a_checksum_pass_within_a_pass_is_part_of_it(tmp_path, small_blocks):
         assert buffer.read_rows(0, 1) == first
     assert _open_fds() == before
     buffer.close()
+
+
+def test_a_checksum_pass_reads_a_block_removed_or_made_during_it_as_it_now_is(tmp_path, small_blocks):
+    """Before: the files a pass kept open read a block given back whole as it was (its files removed), and a block
+    made after the pass found it gone read as zeros."""
+    block = mmap.PAGESIZE // 1024
+    buffer = _written(tmp_path, 3 * block)
+    zeros = bytes(buffer.row_bytes)  # a row of one part
+    with buffer.reading():
+        assert buffer.read_rows(0, 1)[0] == zeros  # row 0 is all 0
+        assert buffer.read_rows(1, 2)[0] != zeros
+        buffer.release(0, block)  # the whole first block: its files removed
+        assert not (tmp_path / "layer0.detailed.0.0.bin").exists()
+        assert buffer.read_rows(1, 2) == [zeros, zeros]
+        assert buffer.read_rows(4 * block, 4 * block + 1) == [zeros, zeros]  # not made yet: zeros
+        row = torch.ones(1, 1, 1, 256)
+        for at in (4 * block, 5 * block):  # made, then not the tail
+            buffer.write(at, row * 7, -row * 7)
+            buffer.length = at + 1
+        assert buffer.read_rows(4 * block, 4 * block + 1)[0] == torch.full((256,), 7.0).numpy().tobytes()
+    buffer.close()

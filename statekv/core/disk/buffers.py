@@ -300,8 +300,7 @@ class MappedTokenBuffer:
 
     def _remove_files(self) -> None:
         """Remove every file of this buffer (a new one starts from none)."""
-        close_all(self._fds)
-        self._tail = None
+        self.close()
         for path in self.paths:
             path.unlink(missing_ok=True)
         for block, sizes in self._present_blocks().items():
@@ -313,8 +312,7 @@ class MappedTokenBuffer:
         grow with its rows, `_grow`, so a folder copied by a tool blind to holes copies what it holds)."""
         if self._tail == block and self._fds:
             return self._fds
-        close_all(self._fds)
-        self._tail = None
+        self.close()
         fds: list[int] = []
         try:
             for part in range(self.parts):
@@ -451,8 +449,15 @@ class MappedTokenBuffer:
         try:
             yield
         finally:
-            close_all([fd for fd in self._reading[1] if fd >= 0])
+            self._forget_read()
             self._reading = None
+
+    def _forget_read(self) -> None:
+        """Close the files `reading` keeps: the block's files were removed or made since (a kept file would read
+        the rows given back, a kept -1 zeros for rows written), so the next read opens them again."""
+        if self._reading is not None:
+            close_all([fd for fd in self._reading[1] if fd >= 0])
+            self._reading = (-1, [])
 
     def _read_fds(self, block: int) -> tuple[list[int], bool]:
         """Block ``block``'s files open for reading, one a part (-1: gone, reading as zeros), and whether they are
@@ -473,7 +478,7 @@ class MappedTokenBuffer:
             raise
         if self._reading is None:
             return fds, False
-        close_all([fd for fd in self._reading[1] if fd >= 0])
+        self._forget_read()
         self._reading = (block, fds)
         return fds, True
 
@@ -512,6 +517,7 @@ class MappedTokenBuffer:
         if block == self._tail:
             close_all(self._fds)
             self._tail = None
+        self._forget_read()
         self._unsynced.discard(block)
         for part in range(self.parts):
             try:
@@ -547,6 +553,7 @@ class MappedTokenBuffer:
     def close(self) -> None:
         close_all(self._fds)
         self._tail = None
+        self._forget_read()
 
 
 def close_all(fds: list[int]) -> None:
