@@ -344,7 +344,7 @@ def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_
         path = stream.save(tmp_path / "s.safetensors")
     metadata, tensors = read_verified(path)
     record, spans = metadata["successor"], metadata["backlog"]["spans"]
-    steps = record["positions"]["steps"]
+    steps = [list(row) for row in zip(*record["positions"]["steps"])]  # read as three columns of runs
     backlog = tensors["backlog.inputs_embeds"]
     broken = {  # each re-signed: its checksums vouch for it, so only the successor's own checks can refuse it
         "no record": ({k: v for k, v in metadata.items() if k != "successor"}, tensors,
@@ -367,7 +367,7 @@ def test_a_malformed_successor_is_refused_in_one_line_naming_it(checkpoint, tmp_
                                 "the successor's backlog (backlog.inputs_embeds) is"),
     }
     caught_up = {k: v for k, v in metadata.items() if k != "backlog"}  # its steps all replayed: a backlog astray
-    caught_up["successor"] = {**record, "chunk_lengths": record["chunk_lengths"] + spans}
+    caught_up["successor"] = {**record, "chunk_lengths": list(record["chunk_lengths"]) + spans}  # read as runs
     broken["a backlog astray"] = (caught_up, tensors, "holds backlog.inputs_embeds but no backlog record")
     for name, (changed, kept, message) in broken.items():
         target = write_verified(tmp_path / f"{name}.safetensors", kept,

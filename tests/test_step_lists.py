@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from statekv import Stream
-from statekv.api.step_lists import arithmetic_runs, expand_runs, values_budget
+from statekv.api.step_lists import arithmetic_runs, expand_runs, expanded, values_budget
 from statekv.api.stream_file import read_verified, write_verified
 from statekv.errors import InputError
 from statekv.models import load_adapter
@@ -73,7 +73,7 @@ def test_an_old_evicting_streams_file_holds_its_steps_in_as_few_characters_as_a_
     assert len(stream.prefill.cache.evicted_steps) > 100
     assert sizes[1] <= sizes[0] + 100, sizes  # listed one by one, each frame added about 25 characters
     metadata, _ = read_verified(path)
-    _, live = stream.prefill.state_dict()
+    _, live = stream.prefill.state_dict(as_runs=True)  # read back as runs, as the cache holds them
     assert metadata["cache"]["chunk_lengths"] == live["chunk_lengths"]
     assert metadata["cache"]["evicted_steps"] == live["evicted_steps"]
     assert metadata["cache"]["positions"] == live["positions"]
@@ -87,9 +87,10 @@ def test_a_format_2_file_listing_its_steps_whole_still_loads(adapter, tmp_path):
     stream = tiny_qa(adapter, "statekv", **SETTINGS).stream()
     for frame in random_frames(90):
         stream.push(frame)
-    metadata, tensors = read_verified(stream.save(tmp_path / "new.safetensors"))
+    new = stream.save(tmp_path / "new.safetensors")
+    _, tensors = read_verified(new)
     old = tmp_path / "old.safetensors"
-    _write_raw(old, tensors, {**metadata, "version": 2})  # as format 2 wrote it: every list whole
+    _write_raw(old, tensors, {**expanded(_raw(new), "new"), "version": 2})  # as format 2 wrote it: every list whole
     assert isinstance(_raw(old)["cache"]["chunk_lengths"], list)
     loaded = Stream.load(old, tiny_qa(adapter, "statekv", **SETTINGS))
     assert torch.equal(loaded.ask_tokens(QUESTION, max_new_tokens=4), stream.ask_tokens(QUESTION, max_new_tokens=4))
@@ -104,7 +105,8 @@ def test_a_format_2_file_listing_its_steps_whole_still_loads(adapter, tmp_path):
     ({"columns": 3, "runs": [[4, 0, 0, 0, 0, 0, 2]]}, "metadata.cache.chunk_lengths must be a list or its runs"),
     ({"runs": [[4, 1 << 62, 3]]}, "metadata.cache.chunk_lengths lists an entry past the 64-bit integers"),
     ({"runs": [[5, 1 << 70, 1]]}, "metadata.cache.chunk_lengths lists an entry past the 64-bit integers"),
-    ({"runs": [[4, 0, 1 << 50]]}, "lists more steps than this machine's memory holds once expanded"),
+    # a run as long as a stream could be is held as one run, never expanded: the stream's count refuses it
+    ({"runs": [[4, 0, 1 << 50]]}, "stats.chunks is 13, inconsistent with the rest (1125899906842624)"),
     # well formed, but not the stream's count: its own checks refuse it
     ({"runs": [[4, 0, 5]]}, "stats.chunks is 13, inconsistent with the rest (5)"),
 ])
@@ -127,7 +129,7 @@ def test_malformed_runs_are_refused_in_one_line(adapter, tmp_path, runs, message
 def test_a_files_lists_share_one_budget_checked_before_they_are_expanded():
     """Each list may be within the budget and all of them together not: refused before the last is expanded. The
     budget is what the memory available holds once expanded."""
-    from statekv.api.step_lists import MIN_VALUES, expanded
+    from statekv.api.step_lists import MIN_VALUES
 
     assert values_budget() >= MIN_VALUES
     metadata = {"cache": {"chunk_lengths": {"runs": [[4, 0, 10]]},

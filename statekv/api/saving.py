@@ -13,12 +13,14 @@ import os
 from collections import deque
 from dataclasses import fields
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..core.cache.persistence import check_state_dict
+from ..core.storage.step_values import StepValues
 from ..core.stream.prefill import cache_geometry
 from .durability import loaded_record, resume_stream
 from ..settings.engine import HANDOVER, EngineSettings
@@ -49,12 +51,12 @@ def save_stream(stream: Any, path: str | Path) -> Path:
         stream.durability.sync()
     except OutputError as error:
         raise OutputError(f"cannot save the stream to {where}: {error}; {UNCHANGED}") from None
-    tensors, cache_metadata = stream.prefill.state_dict()
+    tensors, cache_metadata = stream.prefill.state_dict(as_runs=True)  # runs: no list a step
     tensors = {f"cache.{name}": tensor for name, tensor in tensors.items()}
     successor = backlog = None
     if stream.successor is not None:  # the handover layout, inside the range: the engine it continues with
         if stream.successor.seen_tokens:  # the steps it replayed (`EncodedVideo.catch_up`)
-            successor_tensors, successor = stream.successor.state_dict()
+            successor_tensors, successor = stream.successor.state_dict(as_runs=True)
             tensors.update({f"successor.{name}": tensor for name, tensor in successor_tensors.items()})
         if stream.backlog.steps:  # those it has yet to replay
             tensors[BACKLOG] = stream.backlog.tensor()
@@ -194,7 +196,7 @@ def load_stream(cls: type, path: str | Path, qa: Any, engine: EngineSettings, *,
 
 
 def resume_successor(stream: Any, record: dict | None, tensors: dict[str, torch.Tensor], backlog_record: dict | None,
-                     backlog: torch.Tensor | None, path: str | Path, step_frames: list[int],
+                     backlog: torch.Tensor | None, path: str | Path, step_frames: Sequence[int],
                      loaded: dict[str, Any]) -> None:
     """A resumed handover stream's successor (`statekv.api.handover`): the state of the steps it replayed
     (``record``, its metadata, and ``tensors``) loaded and its backlog (``backlog_record`` and ``backlog``)
@@ -246,12 +248,16 @@ def _encoded_before(stream: Any) -> float | None:
     return max(0.0, (tick(first, stream.max_fps) - 1) / stream.max_fps)
 
 
-def _step_frames(lengths: list[int], prefix_tokens: int, frames: int, per_step: int) -> list[int]:
+def _step_frames(lengths: Sequence[int], prefix_tokens: int, frames: int, per_step: int) -> StepValues:
     """Frames of each step of a saved stream: none in the prompt prefix, ``per_step`` in the others (fewer in a
-    last step completed by repetition) adding up to ``frames``."""
-    counts = [0 if index == 0 and prefix_tokens else per_step for index in range(len(lengths))]
-    if counts and counts[-1]:
-        counts[-1] -= sum(counts) - frames
+    last step completed by repetition) adding up to ``frames``; as runs (a few, however many steps)."""
+    counts, steps = StepValues(), len(lengths)
+    prefix = int(bool(steps and prefix_tokens))
+    if prefix:
+        counts.append(0)
+    if steps > prefix:
+        counts.extend_run(per_step, 0, steps - prefix - 1)
+        counts.append(frames - per_step * (steps - prefix - 1))
     return counts
 
 

@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
-from .step_lists import compacted, expanded
+from .step_lists import compacted, held, held_check
 from ..errors import InputError, OtherSetupError, OutputError
 from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
@@ -226,7 +226,7 @@ def _read(path: Path, with_tensors: bool) -> tuple[dict[str, Any], dict[str, tor
             _check_format(path, metadata)
             if header.get("statekv_sha256") != _sha256(text):
                 raise InputError(f"{where}: the stream's metadata is corrupt (its checksum does not match)")
-            metadata = expanded(metadata, where)
+            metadata = held(metadata, where)  # as runs: no list a step
             tensors = {name: handle.get_tensor(name) for name in handle.keys()} if with_tensors else {}
     except (SafetensorError, OSError, ValueError) as error:
         if isinstance(error, InputError):
@@ -488,10 +488,10 @@ OWNERSHIP = {"stream_id": TEXT, "owner_digest": optional_check(TEXT), "created":
 # the engine's settings as recorded (`EngineSettings.to_dict`); `check_same_setup` compares the binding ones
 SETTINGS = type_check(dict, "an object")
 
-CACHE = record_check({"chunk_lengths": list_check(integer_check(1)), "seen_tokens": integer_check(0),
+CACHE = record_check({"chunk_lengths": held_check(list_check(integer_check(1)), 1), "seen_tokens": integer_check(0),
                       "window_starts": list_check(optional_check(integer_check(0)))},
                      optional={"kv_cache_dtype": type_check(str, "a string"),  # absent: the model's dtype
-                               "evicted_steps": list_check(integer_check(0)),
+                               "evicted_steps": held_check(list_check(integer_check(0)), 0),
                                "positions": type_check(dict, "an object"),  # absent: stream positions
                                "attention_tally": type_check(dict, "an object")})  # checked by the cache
 
@@ -535,15 +535,15 @@ def _check_counts(metadata: dict[str, Any]) -> None:
     agreements = {"state.tokens": (state["tokens"], seen), "stats.tokens": (stats["tokens"], seen),
                   "stats.frames": (stats["frames"], state["frames"]),
                   "stats.chunks": (stats["chunks"], len(cache["chunk_lengths"])),
-                  "cache.seen_tokens": (seen, sum(cache["chunk_lengths"]))}
-    if "successor" in metadata or "backlog" in metadata:  # every step the stream took: replayed, or to replay
+                  "cache.seen_tokens": (seen, StepValues(cache["chunk_lengths"]).total())}
+    if "successor" in metadata or "backlog" in metadata:  # every step the stream took (inside the range: a few)
         successor, backlog = metadata.get("successor"), metadata.get("backlog")
-        replayed = successor["chunk_lengths"] if successor is not None else []
+        replayed = list(successor["chunk_lengths"]) if successor is not None else []
         spans = backlog["spans"] if backlog is not None else []
-        agreements["the successor's steps (replayed and backlog)"] = (replayed + spans, cache["chunk_lengths"])
+        agreements["the successor's steps (replayed and backlog)"] = (replayed + spans, list(cache["chunk_lengths"]))
     if "successor" in metadata:  # under the cache layout beside the stream's own
-        evicted = metadata["successor"].get("evicted_steps")
-        agreements["successor.evicted_steps"] = (evicted, cache.get("evicted_steps"))
+        evicted = [record.get("evicted_steps") for record in (metadata["successor"], cache)]
+        agreements["successor.evicted_steps"] = tuple(None if steps is None else list(steps) for steps in evicted)
         layouts = [(record.get("positions") or {}).get("layout") for record in (cache, metadata["successor"])]
         agreements["the engines' layouts"] = (layouts, [OWN_LAYOUT, SUCCESSOR_LAYOUT])
     for name, (value, expected) in agreements.items():

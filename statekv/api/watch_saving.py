@@ -127,7 +127,8 @@ def _rewound(watch: Watch, frames: int, seconds: float | None) -> None:
 def _tokens_at(stream: Any, frames: int) -> int:
     """The tokens the stream had streamed once it had encoded ``frames`` frames (at the end of the last step that
     ends at or before them)."""
-    steps = int(torch.searchsorted(stream.step_frames.totals(), torch.tensor(frames), right=True)) - 1
+    totals = stream.step_frames.running_totals()  # as runs: no tensor of every step ever taken
+    steps = int(totals.searched(torch.tensor([frames]))[0]) - 1
     return stream.prefill.cache.starts[steps]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import forms
 from .step_runs import StepRuns
+from ..storage.step_values import StepValues
 from ..storage.buffers import CarriedSlots
 from ...errors import InputError
 from ...settings.values import check_int, is_finite_number
@@ -39,22 +39,24 @@ PER_STEP_ROWS = ("key_scales", "block_keys", "step_samples")  # a row per step (
 # this module.
 
 
-def state_dict(cache: "TwoStateCache") -> tuple[dict[str, torch.Tensor], dict]:
+def state_dict(cache: "TwoStateCache", as_runs: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata
-    (``chunk_lengths``, ``seen_tokens``, ``window_starts``)."""
+    (``chunk_lengths``, ``seen_tokens``, ``window_starts``). ``as_runs``: the lists with an entry per step as the
+    cache holds them instead (copies: the lengths a `StepValues`, the evicted steps a `StepRuns`, the placements
+    three `StepValues`), so a stream's save makes no list a step; `load_state_dict` takes either."""
     tensors, window_starts = {}, []
     for index, layer in enumerate(cache.layers):
         layer_tensors, window_start = export_layer(layer)
         tensors.update({f"layers.{index}.{name}": t for name, t in layer_tensors.items() if t is not None})
         window_starts.append(window_start)
-    metadata = {"chunk_lengths": list(cache.chunk_lengths), "seen_tokens": cache.seen_tokens,
-                "window_starts": window_starts}
+    metadata = {"chunk_lengths": StepValues(cache.chunk_lengths) if as_runs else list(cache.chunk_lengths),
+                "seen_tokens": cache.seen_tokens, "window_starts": window_starts}
     if cache.evicted_steps:  # absent unless a cache limit evicted steps (so states without any read as before)
-        metadata["evicted_steps"] = sorted(cache.evicted_steps)
+        metadata["evicted_steps"] = cache.evicted_steps.copy() if as_runs else sorted(cache.evicted_steps)
     if cache.tier.kv_cache_dtype is not None:  # absent: stored in the model's dtype (as every earlier save)
         metadata["kv_cache_dtype"] = cache.tier.kv_cache_dtype
     if cache.positions.bounded:  # absent: stream positions (as every earlier save)
-        metadata["positions"] = cache.positions.export()
+        metadata["positions"] = cache.positions.export(as_runs)
     if cache.tally is not None:  # evict-least-attended ranks by it (absent: every total zero, as earlier saves)
         steps, totals = cache.tally.export(cache.evicted_steps)
         metadata[TALLY] = {"steps": steps.tolist(), "totals": totals.tolist()}
@@ -68,15 +70,16 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     if len(metadata["window_starts"]) != len(cache.layers):
         raise InputError(f"the saved state has {len(metadata['window_starts'])} layers, the model "
                          f"{len(cache.layers)}")
-    cache.positions.load(metadata.get("positions"), metadata["chunk_lengths"])
+    lengths = StepValues(metadata["chunk_lengths"])  # as runs (a list given is folded)
+    cache.positions.load(metadata.get("positions"), lengths)
     cache.shared_ring.reset()
     for index, (layer, window_start) in enumerate(zip(cache.layers, metadata["window_starts"])):
         prefix = f"layers.{index}."
         layer_tensors = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-        restore_layer(layer, layer_tensors, window_start, list(metadata["chunk_lengths"]), device)
-    cache.chunk_lengths = list(metadata["chunk_lengths"])
+        restore_layer(layer, layer_tensors, window_start, lengths, device)
+    cache.chunk_lengths = lengths
     cache.seen_tokens = int(metadata["seen_tokens"])
-    cache.evicted_steps = StepRuns(metadata.get("evicted_steps", ()))
+    cache.evicted_steps = _step_set(metadata.get("evicted_steps", ()))
     if cache.tally is not None:
         tally = metadata.get(TALLY) or {"steps": [], "totals": []}
         cache.tally.restore(torch.tensor(tally["steps"], dtype=torch.long),
@@ -84,6 +87,11 @@ def load_state_dict(cache: "TwoStateCache", tensors: dict[str, torch.Tensor], me
     cache.seen_device = None
     cache.settle_placement()
     cache.buffers_replaced()
+
+
+def _step_set(steps: Sequence[int] | StepRuns) -> StepRuns:
+    """``steps`` (a list, or a `StepRuns`) as a `StepRuns` of its own."""
+    return steps.copy() if isinstance(steps, StepRuns) else StepRuns(steps)
 
 
 def _check_tally(tally: Any, steps: int) -> None:
@@ -166,16 +174,19 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
         raise InputError(f"the saved detailed cache is stored as kv_cache_dtype={saved or 'auto'}, this stream's "
                          f"as {kv_cache_dtype or 'auto'}; resume it with kv_cache_dtype={saved or 'auto'}")
     lengths, starts = metadata["chunk_lengths"], metadata["window_starts"]
-    if not isinstance(lengths, list) or not isinstance(starts, list):
+    if not isinstance(lengths, (list, StepValues)) or not isinstance(starts, list):
         raise InputError("the cache metadata's chunk_lengths and window_starts must be lists")
-    for length in lengths:
+    for length in lengths if isinstance(lengths, list) else ():  # a `StepValues` holds ints
         check_int(length, "a saved step length", error=InputError)
+    lengths = StepValues(lengths)  # as runs: summed and read a run at a time
     seen = check_int(metadata["seen_tokens"], "seen_tokens", minimum=0, error=InputError)
-    if seen != sum(lengths):
-        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {sum(lengths)}")
+    if seen != lengths.total():
+        raise InputError(f"the cache metadata says {seen} tokens, but its steps add up to {lengths.total()}")
     evicted = metadata.get("evicted_steps", [])
-    if not isinstance(evicted, list) or not all(isinstance(s, int) and not isinstance(s, bool)
-                                                and 0 <= s < len(lengths) for s in evicted):
+    held = evicted.runs() if isinstance(evicted, StepRuns) else None
+    if not (held is not None and (not held or held[0][0] >= 0 and held[-1][1] <= len(lengths))
+            or isinstance(evicted, list) and all(isinstance(s, int) and not isinstance(s, bool)
+                                                 and 0 <= s < len(lengths) for s in evicted)):
         raise InputError(f"the cache metadata's evicted_steps must list steps among its {len(lengths)}")
     _check_tally(metadata.get(TALLY), len(lengths))
     if len(starts) != geometry.layers:
@@ -252,12 +263,13 @@ def check_state_dict(tensors: dict[str, torch.Tensor], metadata: dict, geometry:
             raise InputError(f"{name} holds positions outside the {seen} tokens saved")
 
 
-def _check_released_evicted(tensors: dict[str, torch.Tensor], lengths: list[int], evicted: list[int]) -> None:
+def _check_released_evicted(tensors: dict[str, torch.Tensor], lengths: StepValues,
+                            evicted: Sequence[int] | StepRuns) -> None:
     """Refuse rows a save left out (read back as zeros) that the state did not evict: a token's only within an
     evicted step, a step's only of an evicted step, an index row only of a segment all of whose steps are evicted.
     (A file edited to list fewer evicted steps would have those zeros read as the stream's keys and values.)"""
-    steps = StepRuns(evicted).runs()
-    starts = [0, *accumulate(lengths)]
+    steps = _step_set(evicted).runs()
+    starts = lengths.running_totals()  # a run at a time: a stream that evicted for weeks is not walked
     tokens = [[starts[first], starts[end]] for first, end in steps]
     per_segment = layer_storage.SEGMENT_STEPS  # read when a storage is made, so read here as it is now
     segments = [[-(-first // per_segment), end // per_segment] for first, end in steps]
@@ -297,7 +309,8 @@ def _placed(metadata: dict, tensors: dict[str, torch.Tensor]) -> bool:
         return False
     steps = positions.get("steps")
     moved = isinstance(steps, list) and any(isinstance(step, list) and len(step) == 3 and step[0] != step[2]
-                                            for step in steps)
+                                            for step in steps) or \
+        isinstance(steps, tuple) and len(steps) == 3 and steps[0] != steps[2]  # as runs: firsts and bases
     return moved or any(name.endswith(".carried_placements") for name in tensors)
 
 

@@ -296,9 +296,10 @@ class TwoStateCache(Cache):
             self.transaction.rollback()
 
     # saving and resuming (see persistence) -----------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata."""
-        return persistence.state_dict(self)
+    def state_dict(self, *, as_runs: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything a resumed stream needs: tensors named ``layers.{i}.{name}`` and JSON-able metadata (``as_runs``:
+        its lists with an entry per step as runs, see :func:`persistence.state_dict`)."""
+        return persistence.state_dict(self, as_runs)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict, device: torch.device) -> None:
         """Install a state from :meth:`state_dict` (checked first with `check_state_dict`); carried tensors go

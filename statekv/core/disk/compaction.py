@@ -118,10 +118,12 @@ def compacted_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
 def loaded_record(folded: Sequence[Sequence[int]], tokens: Sequence[int], frames: Sequence[int],
                   placed: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The ``compacted`` record `compacted_record` makes of the steps ``folded`` (runs ``[start, end)``, ascending)
-    of a state whose every step's ``tokens``, ``frames`` and (or None) placements ``[first, span, base]`` are given
-    (a `StepValues` is read as its runs): found a run at a time, so a loaded state's evicted steps, however many,
-    are not one record each."""
-    fields = [tokens, frames, *([[step[part] for step in placed] for part in range(3)] if placed is not None else [])]
+    of a state whose every step's ``tokens``, ``frames`` and (or None) placements ``[first, span, base]`` (or a
+    tuple of their three columns) are given (a `StepValues` is read as its runs): found a run at a time, so a
+    loaded state's evicted steps, however many, are not one record each."""
+    columns = placed if isinstance(placed, tuple) else None if placed is None else \
+        [[step[part] for step in placed] for part in range(3)]  # a tuple: the three columns, as `StepValues`
+    fields = [tokens, frames, *(columns or [])]
     count = len(tokens)
     marks, at = [], 0  # per step: whether it is folded, as runs
     for start, end in folded:

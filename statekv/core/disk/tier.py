@@ -65,7 +65,7 @@ import os
 import shutil
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -390,11 +390,12 @@ class DiskTier:
         if self.evicted_records >= max(self.checkpoint_steps, self.held_records):
             self.compact()
 
-    def journal_loaded(self, cache: Any, step_frames: list[int], extra: dict[str, Any],
-                       placements: list[list[int]] | None = None) -> None:
+    def journal_loaded(self, cache: Any, step_frames: Sequence[int], extra: dict[str, Any],
+                       placements: Sequence[Sequence[int]] | None = None) -> None:
         """Journal every step of a state just loaded into this tier (a saved stream resumed on disk), so the
         file set can itself be resumed: ``step_frames`` the frames of each step, ``extra`` what the last step's
-        record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]``."""
+        record adds (see `commit_step`), ``placements`` each step's bounded positions ``[first, span, base]`` (or
+        the three as `StepValues`: the firsts, spans and bases; read a run at a time, as the other lists)."""
         self.check_owner()
         os.ftruncate(self._journal, 0)
         self.append(journal_header(self.file_set))
@@ -416,7 +417,8 @@ class DiskTier:
                         buffer.crc = rows_crc(buffer, *rows) if rows else 0
                 record = {"frames": step_frames[step]}
                 if placements is not None:
-                    record["placed"] = placements[step]
+                    record["placed"] = [part[step] for part in placements] if isinstance(placements, tuple) else \
+                        placements[step]
                 self._cache, self.last_step = cache, step
                 lengths = {name: buffer.length for name, buffer in self.layer_files(0)}
                 if step == count - 1:

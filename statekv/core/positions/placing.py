@@ -338,12 +338,15 @@ class StreamPositions:
         return self.span_totals[-1] - evicted.total_over(self.span_totals)
 
     # -- saving --------------------------------------------------------------------------------------------------
-    def export(self) -> dict:
-        """JSON-able: the mode and, when bounded, the layout, the range and every step's ``[first, span, base]``."""
+    def export(self, as_runs: bool = False) -> dict:
+        """JSON-able: the mode and, when bounded, the layout, the range and every step's ``[first, span, base]``
+        (``as_runs``: those as three `StepValues` instead, copies of the firsts, spans and bases: what `load`
+        takes too)."""
         if not self.bounded:
             return {"mode": self.mode}
-        return {"mode": self.mode, "layout": self.layout.name, "limit": self.limit,
-                "steps": [[f, s, b] for f, s, b in zip(self.firsts, self.spans, self.bases)]}
+        steps = tuple(map(StepValues, (self.firsts, self.spans, self.bases))) if as_runs else \
+            [[f, s, b] for f, s, b in zip(self.firsts, self.spans, self.bases)]
+        return {"mode": self.mode, "layout": self.layout.name, "limit": self.limit, "steps": steps}
 
     def check_mode(self, saved: dict | None) -> None:
         """Refuse (one-line `InputError`) what `export` wrote for a stream of another mode."""

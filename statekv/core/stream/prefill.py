@@ -228,14 +228,14 @@ class StreamingPrefill:
             evicted_tokens=self.keeper.evicted_tokens if self.keeper is not None else self.cache.evicted_tokens(),
             forms=tuple(layer.form for layer in layers))
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def state_dict(self, *, as_runs: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything a resumed stream needs: tensors and metadata (`TwoStateCache.state_dict`), settled first."""
         self.check_open()
         if not self.cache.chunk_lengths:
             raise InputError("the stream has taken no step yet: there is no state to save")
         if self.keeper is not None:
             self.keeper.settle()
-        return self.cache.state_dict()
+        return self.cache.state_dict(as_runs=as_runs)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
         """Resume from :meth:`state_dict`'s output (carried tensors go to the model's device); a state this model
@@ -309,7 +309,7 @@ class StreamingPrefill:
         set can itself be resumed: ``step_frames`` the frames of each step, ``record`` what the last step's
         record adds (see ``durable_record``)."""
         if self.disk is not None:
-            self.disk.journal_loaded(self.cache, step_frames, record, self.positions.export().get("steps"))
+            self.disk.journal_loaded(self.cache, step_frames, record, self.positions.export(as_runs=True).get("steps"))
 
     def sync(self) -> None:
         """Force the disk tier's files to the storage device (nothing to do for the other tiers)."""
