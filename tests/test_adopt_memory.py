@@ -63,6 +63,7 @@ class Cache:
     def __init__(self, kv_cache_dtype):
         self.chunk_lengths = StepValues([PREFIX] + [TOKENS] * (STEPS - 1))
         self.seen_tokens = PREFIX + TOKENS * (STEPS - 1)
+        self.starts = self.chunk_lengths.running_totals()  # as `TwoStateCache.starts` keeps them, as runs
         self.evicted_steps = StepRuns.from_runs([(1, STEPS - 12), (STEPS - 5, STEPS - 4)])
         # carried: prefix tokens, a token of evicted steps 3 and STEPS - 5 (retained), tokens of held steps
         self.carried = [0, 1, start(3) + 7, start(STEPS - 5), start(STEPS - 5) + 9, start(STEPS - 1) + 2]

@@ -66,7 +66,6 @@ class CacheKeeper:
         self.retained: dict[int, torch.Tensor] = {}  # per layer: evicted tokens it still carries (not given back)
         self.batch = 1
         self.announced = False
-        self._starts = StepValues([0])  # each step's first token (and the end of the last), extended as steps commit
         self._held: dict[int, None] = {}  # evictable steps not evicted yet, oldest first
         self._registered = 0  # steps looked at for _held
         self._evicted_in: dict[int, int] = {}  # per segment of the retrieval index not given back: steps evicted
@@ -200,8 +199,7 @@ class CacheKeeper:
             log.info("%s: resumed at its detailed cache's cap max_cache_bytes=%s (%d steps evicted before); evicting "
                      "the %s frames goes on", self.name, format_bytes(self.limit.max_bytes),
                      len(cache.evicted_steps), rule)
-        lengths = cache.chunk_lengths
-        self._starts = starts = lengths.running_totals()  # a run at a time: a weeks-long stream is not walked
+        lengths, starts = cache.chunk_lengths, cache.starts  # as runs: a weeks-long stream is not walked
         step_runs = [(first, end) for first, end in cache.evicted_steps.runs()]
         self._held = {step: None for first, end in cache.evicted_steps.held_runs(len(lengths))
                       for step in range(first, end) if starts[step] >= self.protect_tokens}
@@ -225,12 +223,8 @@ class CacheKeeper:
             self._release_segments(step_runs)
 
     def _step_starts(self) -> StepValues:
-        """Each committed step's first token, then the end of the last (extended by the steps committed since
-        the last call: a long stream never walks its whole history per step)."""
-        starts, lengths = self._starts, self.cache.chunk_lengths
-        for length in lengths[len(starts) - 1:]:
-            starts.append(starts[-1] + length)
-        return starts
+        """Each committed step's first token, then the end of the last: the cache's own (`TwoStateCache.starts`)."""
+        return self.cache.starts
 
     def _candidates(self) -> Iterator[tuple[int, int]]:
         """``(step, length)`` of the evictable steps (not evicted, after the protected tokens), in the order to
