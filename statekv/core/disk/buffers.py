@@ -76,6 +76,7 @@ class MappedTokenBuffer:
         self.released = ReleasedRuns()  # rows given back since it was opened or loaded
         # runs of rows whose block files it was reopened without (taken as given back: zeros)
         self.missing: list[tuple[int, int]] = []
+        self.short: list[tuple[int, int, str]] = []  # runs of rows past the end of a block's file, and its name
         self._block = 4096
 
     # -- TokenBuffer's interface ----------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class MappedTokenBuffer:
         self.length, self.adopted = length, length > 0
         self.released, self.crc = ReleasedRuns(), 0
         self._unsynced, self._made_files = set(), False
-        self.missing = []
+        self.missing, self.short = [], []
         if block_rows is None:
             self._fds.extend(fds)
             self._tail = 0
@@ -243,11 +244,11 @@ class MappedTokenBuffer:
             if at < block:
                 self.missing.append((at * block_rows, block * block_rows))
                 self.released.add(at * block_rows, block * block_rows)
-            at = block + 1
-            if min(sizes.values()) < (min((block + 1) * block_rows, length) - block * block_rows) * self.row_bytes:
-                short = self._path(min(sizes, key=sizes.get), block).name
-                raise InputError(f"{self.prefix.parent}: the disk cache is damaged: {short} is shorter than the rows "
-                                 "its journal lists")
+            at, first = block + 1, block * block_rows
+            # rows past a file's end are damage only if held (one loaded from a file wrote none it had given back)
+            written, listed = first + min(sizes.values()) // self.row_bytes, min(first + block_rows, length)
+            if written < listed:
+                self.short.append((written, listed, self._path(min(sizes, key=sizes.get), block).name))
             self._unsynced.add(block)
         if at < blocks:
             self.missing.append((at * block_rows, length))

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import InputError
 from ..cache import persistence
-from .buffers import MappedTokenBuffer, rows_crc, rows_of
+from .buffers import PER_SEGMENT, PER_STEP, MappedTokenBuffer, rows_crc, rows_of
 from .compaction import BACKLOG, JournalSteps
 from .files import Journaled, check_file_set, read_checked
 from .tier import DiskTier
@@ -62,10 +62,16 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
     evicted = journal.evicted.copy()
     for step in journal.later_evictions:
         evicted.add(step)
-    per_segment = cache.layers[0].storage.segment_steps
+    per_segment, restoring, tally = cache.layers[0].storage.segment_steps, carried is not None, None
     for layer in range(len(tier.buffers)):
         if "segment_index" in tier.buffers[layer]:
             _check_segments_there(where, tier.buffers[layer]["segment_index"].mirror, evicted, per_segment, len(steps))
+    if not restoring:
+        carried, tally = _carried_slot(where, journal.carry, len(cache.layers), lengths.total(), len(steps))
+    for layer in range(len(tier.buffers)):
+        for name, buffer in tier.buffers[layer].items():
+            _check_rows_written(where, name, getattr(buffer, "mirror", buffer), evicted, lengths, per_segment,
+                                carried[layer][0])
     start, at = 0, 0  # the first token of step ``at``
     with tier.reading():
         for record in steps.held():  # a compacted step is evicted: its rows are punched, nothing to check
@@ -82,9 +88,6 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
                                      "checksum")
             start, at = start + length, at + 1
     start += lengths.total(at)
-    restoring, tally = carried is not None, None
-    if not restoring:
-        carried, tally = _carried_slot(where, journal.carry, len(cache.layers), start, len(steps))
     cache.positions.load(_placements(where, cache.positions, steps), lengths)
     for index, (layer, (positions, keys, values, placements, segment)) in enumerate(zip(cache.layers, carried)):
         tensors = {"carried_positions": positions, "carried_keys": keys, "carried_values": values}
@@ -140,6 +143,32 @@ def _check_segments_there(where: Path, index: Any, evicted: Any, per_segment: in
                 name = f"{index.prefix.name}.0.{segment // index.block_rows}.bin"
                 raise InputError(f"{where}: the disk cache is damaged: {name} is missing (it holds the retrieval "
                                  f"index of segment {segment}, whose steps are not all evicted)")
+
+
+def _check_rows_written(where: Path, name: str, mapped: MappedTokenBuffer, evicted: Any, lengths: Any,
+                        per_segment: int, carried: torch.Tensor) -> None:
+    """A one-line `InputError` when a row past the end of one of ``mapped``'s block files (`MappedTokenBuffer.short`)
+    is kept: a step's not evicted, or a token the layer carries (``carried``, its positions ``[B, H_kv, K]``: their
+    rows, and under a quantized cache their steps' key scales, outlive their steps). Only rows given back may be
+    missing from a file (a stream loaded from a saved file never wrote those it had given back)."""
+    if not mapped.short:
+        return
+    kept = []
+    for first, last in evicted.held_runs(len(lengths)):
+        if name in PER_STEP:
+            kept.append((first, last))
+        elif name in PER_SEGMENT:
+            kept.append((first // per_segment, -(-last // per_segment)))
+        else:
+            kept.append((lengths.total(0, first), lengths.total(0, last)))
+    rows = carried.reshape(-1).to("cpu")
+    if name == "key_scales":
+        rows = lengths.running_totals().searched(rows) - 1  # the steps they are of
+    elif name in PER_STEP or name in PER_SEGMENT:
+        rows = rows[:0]
+    for start, end, file in mapped.short:
+        if any(low < end and start < high for low, high in kept) or bool(((rows >= start) & (rows < end)).any()):
+            raise InputError(f"{where}: the disk cache is damaged: {file} is shorter than the rows its journal lists")
 
 
 def check_durable(folder: Path, journal: Journaled) -> None:
