@@ -145,3 +145,37 @@ def test_a_disk_buffer_saved_with_many_runs_of_kept_rows_opens_and_maps_it_once(
     index = torch.tensor([row for row in range(4000) if row % 4 >= 2])
     assert len(released) == 1000 and torch.equal(keys, rows[:, :, index]) and torch.equal(values, -rows[:, :, index])
     buffer.close()
+
+
+class _Looked(dict):
+    """A block buffer's blocks, failing once more than ``limit`` of them were looked up by number."""
+
+    def __init__(self, blocks: dict, limit: int):
+        super().__init__(blocks)
+        self.looked, self.limit = 0, limit
+
+    def get(self, number, default=None):
+        self.looked += 1
+        assert self.looked <= self.limit, "a release looked up block numbers it does not hold"
+        return super().get(number, default)
+
+
+def test_releasing_a_run_of_a_whole_history_visits_only_the_blocks_held():
+    """Before: a release stepped through every block number of its run, held or not: the run of 10**12 rows a
+    stream that evicted for weeks gives back as it loads took 10**12 / BLOCK_ROWS steps (hours); now it looks up
+    the blocks it holds alone, and gives back the same rows."""
+    far = 10**12
+    buffer = BlockBuffer(2, rows=4)
+    rows = torch.arange(1.0, 11.0).view(1, 1, 10, 1)
+    buffer.write(0, rows, -rows)
+    buffer.length = 10
+    buffer.write(far, rows + 100, -rows - 100)
+    buffer.length = far + 10
+    buffer.blocks = _Looked(buffer.blocks, limit=20)
+    buffer.release(3, far + 5)
+    assert buffer.blocks.looked <= 6 and sorted(buffer.blocks) == [0, far // 4 + 1, far // 4 + 2]
+    keys, values = buffer.view(0, 4)
+    assert torch.equal(keys.flatten(), torch.tensor([1.0, 2.0, 3.0, 0.0])) and torch.equal(values, -keys)
+    keys, values = buffer.view(far + 4, far + 10)
+    assert torch.equal(keys.flatten(), torch.tensor([0.0, 106.0, 107.0, 108.0, 109.0, 110.0]))
+    assert torch.equal(values, -keys) and buffer.released.rows == far + 2

@@ -330,3 +330,33 @@ def test_a_checksum_pass_reads_a_block_removed_or_made_during_it_as_it_now_is(tm
             buffer.length = at + 1
         assert buffer.read_rows(4 * block, 4 * block + 1)[0] == torch.full((256,), 7.0).numpy().tobytes()
     buffer.close()
+
+
+def test_releasing_a_long_run_visits_only_the_blocks_whose_files_there_are(tmp_path, small_blocks, monkeypatch):
+    """Before: a release stepped through every block of its run, removing the files of each (two calls a block even
+    where none were ever made): a capped stream of weeks, whose evicted runs are given back as it resumes, made
+    millions of calls per buffer. Now the blocks whose files there are alone, with the same result."""
+    block = mmap.PAGESIZE // 1024
+    far = 10**5 * block  # rows of 1 KiB: ten thousand blocks between the two runs written
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    row = torch.ones(1, 1, 1, 256)
+    for at in [*range(2 * block), *range(far, far + 2 * block)]:
+        buffer.write(at, row * at, -row * at)
+        buffer.length = at + 1
+    removed, unlink = [], os.unlink
+
+    def counted(path, *args, **kwargs):
+        removed.append(os.path.basename(path))
+        assert len(removed) <= 20, "a release removed the files of blocks it never made"
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", counted)
+    buffer.release(block // 2, far + block + block // 2)
+    assert sorted(removed) == sorted(f"layer0.detailed.{p}.{b}.bin" for p in (0, 1) for b in (1, far // block))
+    assert sorted(_files(tmp_path)) == sorted(f"layer0.detailed.{p}.{b}.bin" for p in (0, 1)
+                                              for b in (0, far // block + 1))
+    expected = [at if at < block // 2 or at >= far + block + block // 2 else 0
+                for at in [*range(block), *range(far + block, far + 2 * block)]]
+    keys = torch.cat([buffer.view(0, block)[0], buffer.view(far + block, far + 2 * block)[0]], 2)
+    assert keys[0, 0, :, 0].tolist() == expected
+    buffer.close()

@@ -271,13 +271,15 @@ class MappedTokenBuffer:
         """Block ``block``'s first row."""
         return 0 if self.block_rows is None else block * self.block_rows
 
-    def _pieces(self, start: int, end: int) -> list[tuple[int, tuple[int, int]]]:
-        """Rows ``[start, end)`` cut at the blocks' bounds: ``(block, (first, last))``."""
+    def _pieces(self, start: int, end: int, there: bool = False) -> list[tuple[int, tuple[int, int]]]:
+        """Rows ``[start, end)`` cut at the blocks' bounds: ``(block, (first, last))``; ``there``: in the blocks whose
+        files there are alone, where the run spans more (a stream's evicted weeks, given back at once)."""
         if self.block_rows is None:
             return [(0, (start, end))] if end > start else []
-        size = self.block_rows
-        return [(block, (max(start, block * size), min(end, (block + 1) * size)))
-                for block in range(start // size, -(-end // size))]
+        size, blocks = self.block_rows, range(start // self.block_rows, -(-end // self.block_rows))
+        if there and len(blocks) > 2:
+            blocks = sorted(block for block in self._present_blocks() if block in blocks)
+        return [(block, (max(start, block * size), min(end, (block + 1) * size))) for block in blocks]
 
     def _present_blocks(self) -> dict[int, dict[int, int]]:
         """The block files there are of this buffer: by block, by part, their sizes."""
@@ -490,7 +492,7 @@ class MappedTokenBuffer:
         fill."""
         run_start, run_end = self.released.add(start, end)
         row, block_bytes = self.row_bytes, self._block
-        for block, (first, last) in self._pieces(start, end):
+        for block, (first, last) in self._pieces(start, end, there=True):
             if self.block_rows is not None and self._released_whole(block):
                 self._drop(block)
                 continue

@@ -136,7 +136,10 @@ class BlockBuffer:
         """Rows ``[start, end)`` are never read again: a block every row of which is now released is freed; in the
         others they read as zeros and the whole pages they cover go back to the OS."""
         run_start, run_end = self.released.add(start, end)
-        for number, low, high, _ in self._pieces(start, end):
+        numbers = range(start // self.rows, -(-end // self.rows))
+        if len(numbers) > len(self.blocks):  # a long run (a stream's evicted weeks): the blocks held in it alone
+            numbers = sorted(number for number in self.blocks if number in numbers)
+        for number in numbers:
             block = self.blocks.get(number)
             if block is None:
                 continue
@@ -146,7 +149,7 @@ class BlockBuffer:
                 continue
             run = (max(run_start - first, 0), min(run_end - first, self.rows))
             for tensor in block:
-                free_rows(tensor, low, high, run)
+                free_rows(tensor, max(start - first, 0), min(end - first, self.rows), run)
 
     def load(self, *parts: torch.Tensor, released: Sequence[tuple[int, int]] = ()) -> None:
         """Replace the contents as `TokenBuffer.load` does: only the blocks holding a row kept are made."""
