@@ -9,7 +9,7 @@ import torch
 
 import statekv
 from statekv.builtin.batches import BatchMaker, FrameBank, Reading, forward_targets, turned
-from statekv.builtin.long_range import DENSE_FAMILIES, LongRange, dense_batch
+from statekv.builtin.long_range import DENSE_FAMILIES, LongRange, dense_batch, read_frames
 from statekv.core.positions.rotation import rotate
 from statekv.settings.engine import DEFAULT_QUESTION_SPAN
 
@@ -113,3 +113,36 @@ def test_a_recipe_without_the_reading_field_loads_as_reading_whole_videos():
     assert LongRange.from_dict(data).dense_read == 16
     del data["dense_read"], data["dense_asked"]
     assert LongRange.from_dict(data) == LongRange()
+
+
+
+def test_frames_read_sit_where_their_time_in_the_whole_stream_puts_them(adapter):
+    """Read as a window of a longer stream: early in it, the frames sit near the prefix; late, near the prompt."""
+    maker = BatchMaker(adapter)
+    batch = reading_batch(adapter, frames=30, read=5)
+    prefix = int(batch.frame_positions[0, 0]) - 2  # the first frame's text: a line, its visual token, </img>
+    video = int(batch.frame_positions[-1, 1]) + 1 - prefix  # the video's tokens after the prefix
+    early = read_frames(batch, maker, np.random.default_rng(1), 5, before=0, stream=20 * video)
+    late = read_frames(batch, maker, np.random.default_rng(1), 5, before=19 * video, stream=20 * video)
+    assert torch.equal(early.tokens, late.tokens)  # the same frames drawn
+    span = DEFAULT_QUESTION_SPAN
+    for row in range(early.tokens.shape[0]):
+        valid = early.valid[row]
+        read = early.places[row][valid][prefix:], late.places[row][valid][prefix:]
+        assert int(read[0].max()) < prefix + span // 4  # a twentieth of the span, and packed after it
+        assert int(read[1].min()) > prefix + span // 2 and int(read[1].max()) < int(late.start[row])
+
+
+def test_a_window_of_a_stream_is_read_as_its_questions_read_it_past_the_range(adapter):
+    maker = BatchMaker(adapter)
+    phase = LongRange(dense_share=1.0, dense_frames=(30,), dense_videos=2, dense_whole=True, window_share=1.0,
+                      dense_read=5, stream_frames=3000)
+    batch = dense_batch(phase, maker, np.random.default_rng(11))
+    assert batch.video_positions is not None and batch.reading is not None  # a window, placed past the range
+    assert batch.families == list(DENSE_FAMILIES * 2) * 2
+    for row, evidence in enumerate(batch.evidence_frames):
+        tokens = batch.reading.tokens[row][batch.reading.valid[row]]
+        assert bool(batch.evidence[row, tokens].sum() == batch.evidence[row].sum()) and evidence
+    whole = dense_batch(LongRange(dense_share=1.0, dense_frames=(30,), dense_videos=2, dense_whole=True,
+                                  dense_read=5), maker, np.random.default_rng(11))
+    assert whole.video_positions is None  # no window share: whole videos, as before

@@ -57,7 +57,8 @@ class LongRange:
     whole videos from their first frame instead (`whole_batch`); dense_quarters: such a batch trains each frame's
     quarter of its video (False: untrained, as a window's). dense_read: each question of such a whole batch reads
     the prompt's prefix and this many of its video's frames, its evidence among them (`read_frames`), not the whole
-    video (0: the whole video); each video is then asked `DENSE_FAMILIES` ``dense_asked`` times."""
+    video (0: the whole video); each video is then asked `DENSE_FAMILIES` ``dense_asked`` times (a window's too).
+    window_share: with ``dense_whole``, the share of dense batches that are windows all the same (`dense_batch`)."""
 
     steps: int = 600
     learning_rate: float = 5e-4
@@ -74,6 +75,7 @@ class LongRange:
     dense_quarters: bool = True
     dense_read: int = 0
     dense_asked: int = 2
+    window_share: float = 0.0
 
     def learning_rate_at(self, step: int) -> float:
         """The learning rate of the phase's step ``step`` (0-based)."""
@@ -139,14 +141,20 @@ def dense_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator) -
     frame as its own step saw it), and the questions read the whole window so placed (the engine's questions read
     retrieved frames, packed or spread)."""
     frames = int(rng.choice(phase.dense_frames))
-    if phase.dense_whole:
+    if phase.dense_whole and not (phase.window_share and rng.random() < phase.window_share):
         return whole_batch(phase, maker, rng, frames)
     length = int(math.exp(rng.uniform(math.log(2 * frames), math.log(phase.stream_frames))))
     window_first = int(rng.integers(0, length - frames + 1))
     batch = maker.make(rng, phase.dense_videos, frames, times=tuple(range(window_first, window_first + frames)),
-                       length=length, asked=DENSE_FAMILIES)
+                       length=length, asked=DENSE_FAMILIES * (phase.dense_asked if phase.dense_read else 1))
     batch.video_positions = grouped_positions(batch, maker, window_first)
     batch.frame_targets[:, :, 1, 1] = UNTRAINED  # the quarter: a window does not show how long its stream is
+    if phase.dense_read:
+        prefix = maker.adapter.prefix(maker.adapter.start(frames))
+        first = 0 if prefix is None else prefix.input_ids.shape[1]
+        per_frame = (batch.video_ids.shape[1] - first) / frames  # tokens a frame, as `grouped_positions` counts
+        batch.reading = read_frames(batch, maker, rng, phase.dense_read, before=round(window_first * per_frame),
+                                    stream=round(length * per_frame))
     return batch
 
 
@@ -165,20 +173,23 @@ def whole_batch(phase: LongRange, maker: BatchMaker, rng: np.random.Generator, f
     return batch
 
 
-def read_frames(batch: Batch, maker: BatchMaker, rng: np.random.Generator, frames: int) -> Reading:
-    """Each question of ``batch`` (whole videos at their own positions) reads the prompt's prefix and ``frames`` of
-    its video's frames, its evidence and others drawn at random, as a question past the range reads the frames it
-    retrieved of a stream (`StreamPositions.question` and ``spread``, the default ``question_span``): each frame
-    where its time scales to in the span before the prompt, the video being the first part of a stream up to four
-    times as long (log-uniform; one length a batch)."""
+def read_frames(batch: Batch, maker: BatchMaker, rng: np.random.Generator, frames: int, before: int = 0,
+                stream: int | None = None) -> Reading:
+    """Each question of ``batch`` reads the prompt's prefix and ``frames`` of its video's frames, its evidence and
+    others drawn at random, as a question past the range reads the frames it retrieved of a stream
+    (`StreamPositions.question` and ``spread``, the default ``question_span``): each frame where its time scales to
+    in the span before the prompt. The video's frames are a stream's from ``before`` tokens after the prefix, in a
+    stream of ``stream`` tokens after it (None: a whole video, the first part of a stream up to four times as long,
+    log-uniform; one length a batch)."""
     adapter = maker.adapter
     prefix = adapter.prefix(adapter.start(batch.still_ids.shape[1]))
     low = 0 if prefix is None else prefix.input_ids.shape[1]
     ends = (batch.frame_positions[:, 1] + 1).tolist()  # each frame's text ends with its </img>
     firsts = [low] + ends[:-1]
     count = len(ends)
-    stream = math.exp(rng.uniform(0, math.log(4)))
-    length = max(round((ends[-1] - low) * stream), 1)
+    if stream is None:
+        stream = round((ends[-1] - low) * math.exp(rng.uniform(0, math.log(4))))
+    length = max(stream, 1)
     widest = max(end - first for first, end in zip(firsts, ends))
     start = low + max(frames * widest, DEFAULT_QUESTION_SPAN)
     rows = []
@@ -187,7 +198,7 @@ def read_frames(batch: Batch, maker: BatchMaker, rng: np.random.Generator, frame
         drawn = rng.choice(others, size=min(max(frames - len(evidence), 0), len(others)), replace=False).tolist()
         chosen = sorted({*evidence, *drawn})
         spans = [ends[frame] - firsts[frame] for frame in chosen]
-        places = spread_places([firsts[frame] for frame in chosen], spans, low, low, length, start)
+        places = spread_places([firsts[frame] + before for frame in chosen], spans, low, low, length, start)
         tokens = list(range(low)) + [token for frame in chosen for token in range(firsts[frame], ends[frame])]
         placed = list(range(low)) + [place + offset for place, span in zip(places, spans) for offset in range(span)]
         rows.append((tokens, placed))
