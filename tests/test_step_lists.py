@@ -14,8 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from statekv import Stream
-from statekv.api.step_lists import arithmetic_runs, expand_runs, expanded, values_budget
+from statekv.api.step_lists import arithmetic_runs, expand_runs, expanded, values_budget, written_runs
 from statekv.api.stream_file import read_verified, write_verified
+from statekv.core.cache.step_runs import StepRuns
+from statekv.core.storage.step_values import StepValues
 from statekv.errors import InputError
 from statekv.models import load_adapter
 
@@ -36,6 +38,22 @@ def test_runs_give_back_the_entries_they_were_made_from(seed):
         columns = 3 if isinstance(entries[0], list) else 1
         assert expand_runs(json.loads(json.dumps(arithmetic_runs(entries))), "x", columns) == entries
 
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_engines_runs_are_written_as_the_lists_they_hold_would_be(seed):
+    """Before: rows were cut wherever a column's own run ended, and a set's steps were written a run of consecutive
+    steps each, so a save wrote other (and more) runs than `arithmetic_runs` of the same lists."""
+    chance = random.Random(seed)
+    count = chance.randrange(1, 300)
+    lengths = [chance.choice([4, 4, 4, chance.randrange(1, 9)]) for _ in range(count)]
+    placed = [[chance.choice([6 * n, 6 * n, chance.randrange(50)]), chance.choice([6, 6, 3]), 64]
+              for n in range(count)]
+    steps = sorted(chance.sample(range(2 * count), count))
+    assert written_runs(StepValues(lengths)) == arithmetic_runs(lengths)
+    assert written_runs(tuple(StepValues(column) for column in zip(*placed))) == arithmetic_runs(placed)
+    assert written_runs(StepRuns(steps)) == arithmetic_runs(steps)
+    assert written_runs(StepValues()) == written_runs(StepRuns()) == []
 
 def test_a_steady_stream_lists_its_steps_in_a_few_runs():
     assert arithmetic_runs([3] + [4] * 10_000) == {"runs": [[3, 1, 2], [4, 0, 9_999]]}

@@ -148,16 +148,45 @@ def compacted(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def written_runs(values: StepValues | tuple[StepValues, ...] | StepRuns) -> Any:
     """What `arithmetic_runs` writes of the list the engine holds as ``values`` (an empty list: ``[]``), found from
-    its runs (the rows of several `StepValues` cut where a run of any ends)."""
+    its runs (the rows of several `StepValues` read in pieces cut where a run of any ends, folded as
+    `arithmetic_runs` folds rows: a few steps a piece)."""
     if isinstance(values, StepRuns):
-        runs = [[start, int(end - start > 1), end - start] for start, end in values.runs()]
-        return {"runs": runs} if runs else []
-    columns = values if isinstance(values, tuple) else (values,)
-    if not len(columns[0]):
+        pieces = (((start,), (1,), end - start) for start, end in values.runs())
+    else:
+        columns = values if isinstance(values, tuple) else (values,)
+        pieces = ((tuple(first for first, _ in parts), tuple(step for _, step in parts), count)
+                  for count, parts in aligned_runs(*(column.runs() for column in columns)))
+    runs = _folded(pieces)
+    if not runs:
         return []
-    runs = [[*(first for first, _ in pieces), *(step if count > 1 else 0 for _, step in pieces), count]
-            for count, pieces in aligned_runs(*(column.runs() for column in columns))]
-    return {"columns": len(columns), "runs": runs} if isinstance(values, tuple) else {"runs": runs}
+    return {"columns": len(values), "runs": runs} if isinstance(values, tuple) else {"runs": runs}
+
+
+def _folded(pieces: Any) -> list[list[int]]:
+    """`arithmetic_runs`' runs of the entries given as ``pieces`` (``(first, step, count)``, ``first`` and ``step``
+    tuples of a value a column: ``count`` entries ``first + i * step``): from each run's first entry, as far as the
+    entries keep changing by the step between its first two."""
+    runs: list[list[int]] = []
+    first = step = None  # the run being made: its first entry and its step (None while it holds one entry)
+    count = 0
+    for start, change, left in pieces:
+        at = 0
+        while at < left:
+            entry = tuple(value + at * by for value, by in zip(start, change))
+            if first is not None and step is None:
+                step, count = tuple(b - a for a, b in zip(first, entry)), 2
+            elif first is not None and all(a + s * count == b for a, s, b in zip(first, step, entry)):
+                count += 1
+            else:
+                if first is not None:
+                    runs.append([*first, *(step or (0,) * len(first)), count])
+                first, step, count = entry, None, 1
+            at += 1
+            if step == change and at < left:  # the rest of the piece goes on this run
+                count, at = count + left - at, left
+    if first is not None:
+        runs.append([*first, *(step or (0,) * len(first)), count])
+    return runs
 
 
 def expanded(metadata: dict[str, Any], where: str, budget: int | None = None) -> dict[str, Any]:
