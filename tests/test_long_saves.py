@@ -3,15 +3,19 @@ the steps it ever took: its per-step lists go from the cache's runs to the file'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tracemalloc
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
+import statekv
 from statekv import Stream
 from statekv.api.stream_file import write_verified
+from statekv.errors import InputError
 from statekv.models import load_adapter
 
 from conftest import random_frames, tiny_qa
@@ -92,3 +96,49 @@ def test_a_weeks_long_evicting_stream_loads_and_saves_in_memory_that_follows_its
     loaded.push(random_frames(1, seed=1)[0])  # and it streams on
     assert loaded.frames == 41 + MORE and cache.evicted_steps.runs() == [[1, 41 + MORE]]
     loaded.close()
+
+
+def _re_signed(path, change):
+    """``path`` with its metadata changed by ``change`` and signed again (its tensors' checksums still vouch)."""
+    with safe_open(str(path), "pt") as handle:
+        metadata = json.loads(handle.metadata()["statekv"])
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    change(metadata)
+    text = json.dumps(metadata)
+    save_file(tensors, str(path),
+              metadata={"statekv": text, "statekv_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    return path
+
+
+@pytest.mark.parametrize("forged", ["evicted_steps", "chunk_lengths"])
+def test_a_successor_forged_to_list_a_trillion_steps_is_refused_in_one_line(checkpoint, tmp_path, forged):
+    """Before: the successor's steps and evictions were listed one by one to be compared with the stream's (a
+    MemoryError, or hours and all the memory there is, for a run of 2^40 steps)."""
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", budget=24, reserve_tokens=24,
+                                         bounded_layout="handover", attention="eager")
+    frames = random_frames(3)
+    with qa.stream() as stream:
+        stream.push(frames[0])
+        stream.push(frames[1])
+        stream.catch_up()
+        stream.push(frames[2])  # the successor saved with the steps it replayed and its backlog
+        assert stream.successor is not None
+        path = stream.save(tmp_path / "s.safetensors")
+
+    def change(metadata):
+        more = 1 << 40
+        for record in (metadata["cache"], metadata["successor"]):
+            if forged == "evicted_steps":
+                record["evicted_steps"] = {"runs": [[0, 1, more]]}
+            else:
+                record["chunk_lengths"]["runs"][-1][-1] += more
+        if forged == "chunk_lengths":  # every count forged to agree
+            tokens = more * metadata["cache"]["chunk_lengths"]["runs"][-1][0]
+            for record, field in ((metadata["cache"], "seen_tokens"), (metadata["state"], "tokens"),
+                                  (metadata["state"], "next_position"), (metadata["stats"], "tokens")):
+                record[field] += tokens
+            metadata["stats"]["chunks"] += more
+
+    with pytest.raises(InputError) as refused:
+        Stream.load(_re_signed(path, change), qa)
+    assert "\n" not in str(refused.value) and str(path) in str(refused.value), str(refused.value)

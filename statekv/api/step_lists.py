@@ -16,7 +16,7 @@ files hold the lists themselves.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -230,6 +230,29 @@ def held_check(listed: Callable[[Any, str], Any], minimum: int) -> Callable[[Any
         return value if isinstance(value, (StepValues, StepRuns)) else listed(value, name)
     return check
 
+
+
+def steps_of(*lists: Sequence[int]) -> StepValues:
+    """The per-step ``lists`` given (lists, or `StepValues` as `held` reads them) one after another, as runs: two
+    compared list no step one by one (a forged file's run of billions of steps included)."""
+    made = StepValues()
+    for values in lists:
+        for first, step, count in values.runs() if isinstance(values, StepValues) else ([value, 0, 1]
+                                                                                       for value in values):
+            made.extend_run(first, step, count)
+    return made
+
+
+def step_set(steps: Sequence[int] | StepRuns | None) -> StepRuns | None:
+    """A set of steps (a list, or a `StepRuns` as `held` reads one) as a `StepRuns` (None: None), to compare."""
+    return None if steps is None else steps if isinstance(steps, StepRuns) else StepRuns(steps)
+
+
+def shown(value: Any) -> Any:
+    """``value`` as an error names it: a per-step list held as runs listed, unless it is long (then as its runs)."""
+    if isinstance(value, (StepValues, StepRuns)):
+        return list(value) if len(value) <= 100 else value
+    return value
 
 def _holder(metadata: dict, path: tuple[str, ...], copy_along: bool = False) -> dict | None:
     """The object holding ``path``'s last field (copied on the way when ``copy_along``), if every part is one."""

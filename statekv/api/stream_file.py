@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
 from .stats import EncodingStats
-from .step_lists import compacted, held, held_check
+from .step_lists import compacted, held, held_check, shown, step_set, steps_of
 from ..errors import InputError, OtherSetupError, OutputError
 from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
@@ -538,17 +538,17 @@ def _check_counts(metadata: dict[str, Any]) -> None:
                   "cache.seen_tokens": (seen, StepValues(cache["chunk_lengths"]).total())}
     if "successor" in metadata or "backlog" in metadata:  # every step the stream took (inside the range: a few)
         successor, backlog = metadata.get("successor"), metadata.get("backlog")
-        replayed = list(successor["chunk_lengths"]) if successor is not None else []
-        spans = backlog["spans"] if backlog is not None else []
-        agreements["the successor's steps (replayed and backlog)"] = (replayed + spans, list(cache["chunk_lengths"]))
+        replayed = steps_of(successor["chunk_lengths"] if successor is not None else [],
+                            backlog["spans"] if backlog is not None else [])  # as runs: no list a step
+        agreements["the successor's steps (replayed and backlog)"] = (replayed, steps_of(cache["chunk_lengths"]))
     if "successor" in metadata:  # under the cache layout beside the stream's own
         evicted = [record.get("evicted_steps") for record in (metadata["successor"], cache)]
-        agreements["successor.evicted_steps"] = tuple(None if steps is None else list(steps) for steps in evicted)
+        agreements["successor.evicted_steps"] = tuple(map(step_set, evicted))
         layouts = [(record.get("positions") or {}).get("layout") for record in (cache, metadata["successor"])]
         agreements["the engines' layouts"] = (layouts, [OWN_LAYOUT, SUCCESSOR_LAYOUT])
     for name, (value, expected) in agreements.items():
         if value != expected:
-            raise InputError(f"{name} is {value}, inconsistent with the rest ({expected})")
+            raise InputError(f"{name} is {shown(value)}, inconsistent with the rest ({shown(expected)})")
     if kept > metadata["pushed"]:
         raise InputError(f"pushed is {metadata['pushed']}, fewer than the {kept} frames kept")
     if metadata["horizon_frames"] is not None and kept > metadata["horizon_frames"]:
