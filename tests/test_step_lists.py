@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from statekv import Stream
-from statekv.api.step_lists import arithmetic_runs, expand_runs, expanded, values_budget, written_runs
+from statekv.api.step_lists import (arithmetic_runs, expand_runs, expanded, held_runs, values_budget,
+                                    written_runs)
 from statekv.api.stream_file import read_verified, write_verified
 from statekv.core.cache.step_runs import StepRuns
 from statekv.core.storage.step_values import StepValues
@@ -54,6 +55,14 @@ def test_the_engines_runs_are_written_as_the_lists_they_hold_would_be(seed):
     assert written_runs(tuple(StepValues(column) for column in zip(*placed))) == arithmetic_runs(placed)
     assert written_runs(StepRuns(steps)) == arithmetic_runs(steps)
     assert written_runs(StepValues()) == written_runs(StepRuns()) == []
+
+
+@pytest.mark.parametrize("runs", [[[3, 0, 4]], [[3, 0, 2], [1, 1, 5]], [[7, 0, 1], [2, 2, 3], [9, -1, 3]]])
+def test_a_set_of_steps_reads_back_as_its_list_does(runs):
+    """Before: a step listed several times (a run of step 0) was refused as "not a saved statekv stream (range() arg
+    3 must not be zero)", while the same list written whole loaded, each step once."""
+    saved = {"runs": runs}
+    assert held_runs(saved, "x", as_set=True) == StepRuns(expand_runs(saved, "x"))
 
 def test_a_steady_stream_lists_its_steps_in_a_few_runs():
     assert arithmetic_runs([3] + [4] * 10_000) == {"runs": [[3, 1, 2], [4, 0, 9_999]]}

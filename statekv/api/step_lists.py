@@ -89,11 +89,11 @@ def held_runs(saved: Any, name: str, columns: int = 1, budget: list[int] | None 
     if as_set:
         ranges = []
         for first, step, count in runs:
-            if count > 1 and step != 1:  # not a run of consecutive steps: each a run of its own
+            if count > 1 and step not in (0, 1):  # not a run of consecutive steps: each a run of its own
                 _take(budget, count, name)
                 ranges.extend((value, value + 1) for value in range(first, first + step * count, step))
-            else:
-                ranges.append((first, first + count))
+            else:  # consecutive steps, or one listed ``count`` times (a set holds it once, as a list's)
+                ranges.append((first, first + (count if step else 1)))
         return StepRuns.from_runs(ranges)
     made = tuple(StepValues() for _ in range(columns))
     for run in runs:
