@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np

@@ -231,7 +231,6 @@ def held_check(listed: Callable[[Any, str], Any], minimum: int) -> Callable[[Any
     return check
 
 
-
 def steps_of(*lists: Sequence[int]) -> StepValues:
     """The per-step ``lists`` given (lists, or `StepValues` as `held` reads them) one after another, as runs: two
     compared list no step one by one (a forged file's run of billions of steps included)."""
