@@ -569,7 +569,7 @@ def test_a_server_raises_its_soft_limit_on_open_files_to_its_hard_limit():
     1,024 long before ``--max-streams`` (about 200 files a stream for a 28-layer model)."""
     import resource
 
-    from statekv.serve.limits import MOST_OPEN_FILES, raise_open_files_limit
+    from statekv.core.disk.open_files import MOST_OPEN_FILES, raise_open_files_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

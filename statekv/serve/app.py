@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from ..core.disk.open_files import raise_open_files_limit
 from ..errors import ConfigurationError, OutputError, StateKVError
 from . import openai, routes, watch_routes
 from .auth import KeyRing
 from .config import ServeConfig
 from .errors import ServiceError, StorageError, error_body, kind_of, status_of
-from .limits import Slots, raise_open_files_limit
+from .limits import Slots
 from .metrics import Metrics
 from .registry import StreamRegistry
 from .store import UPLOADS, StreamFiles, check_state_folder

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
-import resource
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,24 +15,8 @@ from starlette.requests import ClientDisconnect
 from .errors import ServiceError
 
 IMAGE_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG"}
-MOST_OPEN_FILES = 1 << 20  # what the soft limit is raised to at most
 MAX_JSON_DEPTH = 64  # no request field nests nearly so deep; a body nested near the parser's own limit left the
 # checks no room to name its bad value (a 500 RecursionError)
-
-log = logging.getLogger("statekv.serve")
-
-
-def raise_open_files_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit: a disk-tier stream holds a few files a
-    layer open (about 200 for a 28-layer model), so a server's streams pass the usual soft limit of 1,024 long
-    before ``--max-streams``."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        wanted = MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MOST_OPEN_FILES)
-        if soft != resource.RLIM_INFINITY and soft < wanted:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    except (OSError, ValueError) as error:  # kept as it is: the streams that do not fit fail in one line each
-        log.warning("cannot raise the limit on open files: %s", error)
 
 
 def media_type(request: Request) -> str:

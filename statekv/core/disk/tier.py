@@ -81,6 +81,7 @@ from .compaction import BACKLOG, loaded_record
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
 from .mirrored import MirroredTokenBuffer
+from .open_files import raise_open_files_limit
 
 log = logging.getLogger("statekv")
 
@@ -102,6 +103,7 @@ class DiskTier:
                  holder: str = "a stream"):
         """lock: the folder's lock, already held (`hold`); None: taken now for ``holder`` (who is named to a
         second opener)."""
+        raise_open_files_limit()  # its layers' files may pass the usual soft limit of 1,024 (a library's too)
         self.lock = lock if lock is not None else hold(folder, holder)
         self.folder, self.manifest = folder, manifest
         self._files: list[int] = closed_with(self, [])  # the journal and the checkpoint slots, while open

@@ -1,0 +1,44 @@
+"""How many files this process may hold open: a disk-tier stream holds a few a layer (`MappedTokenBuffer`: the files
+of the block it writes, or of the block a checksum pass reads), which for one stream of an 80-layer model passes the
+usual soft limit of 1,024. The soft limit is raised to the hard one when a disk tier opens
+(`raise_open_files_limit`, which `statekv serve` also calls at start); past the hard limit, `reason` names it."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+
+MOST_OPEN_FILES = 1 << 20  # what the soft limit is raised to at most
+
+log = logging.getLogger("statekv")
+_warned = False  # a limit that cannot be raised is said once
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (never lowering it): a disk-tier stream holds
+    a few files a layer open (about 200 for a 28-layer model)."""
+    global _warned
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MOST_OPEN_FILES)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (OSError, ValueError) as error:  # kept as it is: what does not fit then fails in one line (`reason`)
+        if not _warned:
+            _warned = True
+            log.warning("cannot raise the limit on open files: %s", error)
+
+
+def reason(error: OSError) -> str:
+    """Why ``error`` happened, for a one-line message: its ``strerror``; for too many open files, the limit and how
+    to raise it."""
+    if error.errno == errno.EMFILE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        return (f"too many open files: this process may hold {soft} (a disk-tier stream holds a few a layer); "
+                f"raise the limit with `ulimit -n` before starting it (at most its hard limit, {shown}: "
+                "`ulimit -Hn`, raised by root, or LimitNOFILE= in a systemd unit)")
+    if error.errno == errno.ENFILE:
+        return "too many open files in the system: raise its limit (sysctl fs.file-max) or close other programs"
+    return error.strerror or str(error)
