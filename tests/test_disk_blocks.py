@@ -252,9 +252,10 @@ def test_a_blocks_files_grow_with_its_rows(tmp_path):
 
 def test_verifying_a_resumed_stream_opens_each_block_file_a_bounded_number_of_times(adapter, tmp_path, small_blocks,
                                                                                   monkeypatch):
-    """Resuming a stream whose blocks hold many steps' rows checks every step's checksum opening each block file once
-    or twice (before: once a step, for a stream of millions of steps millions of opens), and so does journaling a
-    saved stream loaded onto the disk tier; both answer alike."""
+    """Resuming a stream whose blocks hold many steps' rows checks every step's checksum opening each block file at
+    most three times (to write it, to read it in the pass, which closes the files it writes first, and to sync it;
+    before: once a step, for a stream of millions of steps millions of opens), and so does journaling a saved stream
+    loaded onto the disk tier; both answer alike."""
     import collections
     import os
     from pathlib import Path
@@ -275,7 +276,7 @@ def test_verifying_a_resumed_stream_opens_each_block_file_a_bounded_number_of_ti
                                                                     real_open(path, *args, **kw))[1])
             resumed = Stream.load(source, qa)
         blocks = {path: count for path, count in opened.items() if Path(path).match("layer*.bin")}
-        assert blocks and max(blocks.values()) <= 2, (source, collections.Counter(blocks).most_common(3))
+        assert blocks and max(blocks.values()) <= 3, (source, collections.Counter(blocks).most_common(3))
         assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4), answer)
         resumed.close()
 
@@ -307,7 +308,7 @@ def test_a_checksum_pass_within_a_pass_is_part_of_it(tmp_path, small_blocks):
         with buffer.reading():
             assert buffer.read_rows(block, block + 1)[0] == torch.full((256,), float(block)).numpy().tobytes()
         assert buffer.read_rows(0, 1) == first
-    assert _open_fds() == before
+    assert _open_fds() == before - 2  # none leaked; the tail's two closed by the pass, opened by its next write
     buffer.close()
 
 

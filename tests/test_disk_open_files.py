@@ -6,13 +6,15 @@ process of its own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import statekv
-from statekv import Stream
+from statekv.core.disk.buffers import MappedTokenBuffer, rows_crc
 from statekv.testing import make_tiny_checkpoint
 
 from conftest import random_frames
@@ -70,3 +72,29 @@ def test_a_library_stream_on_the_disk_tier_raises_the_soft_limit_on_open_files(d
     child = run_child(CHILD, deep_checkpoint, saved, folder, tmp_path / "child")
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["loaded", "6", "resumed", "6"]
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's open files in /proc")
+def test_a_checksum_pass_holds_no_more_files_of_a_buffer_than_its_writes_do(tmp_path, small_blocks):
+    """Before: a pass over a buffer (a resume's, a load onto the disk tier's) kept the files of the block it read
+    open beside those of the block it writes: twice the files a layer the stream holds as it streams."""
+    buffer = MappedTokenBuffer(2, None, tmp_path / "layer0.detailed")
+    before = open_files()
+    rows = torch.arange(8.0).view(1, 1, -1, 1).expand(1, 2, -1, 2048).contiguous()  # 16 KiB a row and part
+    buffer.write(0, rows, -rows)
+    buffer.length = 8
+    assert buffer.block_rows < 8  # the files of a later block are the ones open for its writes
+    writing = open_files() - before
+    with buffer.reading():
+        crcs = [rows_crc(buffer, row, row + 1) for row in range(8)]
+        assert open_files() - before <= writing
+    assert crcs == [rows_crc(buffer, row, row + 1) for row in range(8)]
+    buffer.write(8, rows[:, :, :1], -rows[:, :, :1])  # writes on after it
+    buffer.length = 9
+    assert torch.equal(buffer.view(0, 9)[1][:, :, 8], -rows[:, :, 0])
+    buffer.close()
+    assert open_files() == before

@@ -88,13 +88,11 @@ class MappedTokenBuffer:
 
     @property
     def keys(self) -> torch.Tensor | None:
-        tensors = self.tensors
-        return None if tensors is None else tensors[0]
+        return (self.tensors or [None, None])[0]
 
     @property
     def values(self) -> torch.Tensor | None:
-        tensors = self.tensors
-        return None if tensors is None else tensors[1]
+        return (self.tensors or [None, None])[1]
 
     @property
     def capacity(self) -> int:
@@ -444,10 +442,12 @@ class MappedTokenBuffer:
     def reading(self) -> Iterator[None]:
         """Within it `read_rows` keeps the files of the block it read last open: a pass reading rows in order (every
         step's checksum verified) opens each block's files once, not once a step. A pass within a pass is part of
-        it."""
+        it. The files of the block it writes are closed first (its next write opens them): one block's files held."""
         if self._reading is not None:
             yield
             return
+        if self.block_rows is not None:
+            self.close()
         self._reading = (-1, [])
         try:
             yield
