@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import statekv
+from statekv import Stream
 from statekv.core.disk.buffers import MappedTokenBuffer, rows_crc
 from statekv.testing import make_tiny_checkpoint
 
@@ -72,6 +73,54 @@ def test_a_library_stream_on_the_disk_tier_raises_the_soft_limit_on_open_files(d
     child = run_child(CHILD, deep_checkpoint, saved, folder, tmp_path / "child")
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["loaded", "6", "resumed", "6"]
+
+
+REFUSED = """
+import os, resource, sys
+import statekv
+from statekv import Stream
+
+checkpoint, saved, folder, offload_dir = sys.argv[1:5]
+qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", offload="disk", offload_dir=offload_dir,
+                                     attention="eager")
+limit = len(os.listdir("/proc/self/fd")) + 16
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # the hard limit too: this process cannot raise it
+for source in (folder, saved):
+    try:
+        Stream.load(source, qa).close()
+    except statekv.errors.StateKVError as error:
+        print(type(error).__name__, "|", str(error).replace(chr(10), "<newline>"))
+"""
+
+
+def test_a_hard_limit_on_open_files_too_low_refuses_in_one_line_and_loses_nothing(deep_checkpoint, tmp_path):
+    """Before: a resume under a hard limit its layers' files do not fit in raised ``OSError: [Errno 24] Too many
+    open files`` with a traceback, and a load onto the disk tier said only "Too many open files". Now each is one
+    line naming the limit and ``ulimit -n``, and the folder and the saved file load once the limit allows."""
+    frames = random_frames(6)
+    with statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload=True,
+                                         attention="eager").stream() as stream:
+        for frame in frames:
+            stream.push(frame)
+        saved = stream.save(tmp_path / "s.safetensors")
+    qa = statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload="disk",
+                                         offload_dir=tmp_path / "disk", attention="eager")
+    with qa.stream() as stream:
+        for frame in frames:
+            stream.push(frame)
+        folder = stream.folder
+    child = run_child(REFUSED, deep_checkpoint, saved, folder, tmp_path / "child")
+    assert child.returncode == 0, child.stderr[-2000:]
+    refusals = child.stdout.splitlines()
+    assert len(refusals) == 2, child.stdout + child.stderr[-2000:]
+    for refusal in refusals:
+        kind, message = refusal.split(" | ", 1)
+        assert kind == "OutputError" and "<newline>" not in message, refusal
+        assert "too many open files: this process may hold" in message and "ulimit -n" in message, refusal
+    assert not list((tmp_path / "child").glob("*"))  # the load left no half-made folder
+    for source in (folder, saved):
+        with Stream.load(source, qa) as loaded:
+            assert loaded.frames == 6
 
 
 def open_files() -> int:

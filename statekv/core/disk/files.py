@@ -26,6 +26,7 @@ from ..cache.step_runs import StepRuns
 from ..storage.memory import available_bytes
 from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
                          merged_record, record_pieces)
+from .open_files import refuse_out_of_files
 
 FORMAT = "statekv-disk-cache"
 # 5: its layers' files in blocks (`statekv.core.disk.buffers`); 4: one file a part, a row for every token ever
@@ -85,7 +86,9 @@ def read_checked(path: Path) -> dict[str, Any]:
     naming the file when it is unreadable, not a JSON object, or its checksum does not match."""
     try:
         described = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError) as error:
+        if isinstance(error, OSError):
+            refuse_out_of_files(error, path.parent)
         raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} cannot be read") from None
     if not isinstance(described, dict):
         raise InputError(f"{path.parent}: the disk cache is damaged: {path.name} is not a JSON object")
@@ -123,7 +126,9 @@ def read_description(folder: Path, file: str, form: str, version: int | tuple[in
     checksum; a one-line `InputError` naming ``what`` it is not otherwise."""
     try:
         described = json.loads((folder / file).read_text())
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError) as error:
+        if isinstance(error, OSError):
+            refuse_out_of_files(error, folder)
         raise InputError(f"{folder}: not a {what} (no readable {file})") from None
     if not isinstance(described, dict) or described.get("format") != form:
         raise InputError(f"{folder}: not a {what}")
@@ -147,7 +152,8 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         manifest = read_manifest(folder)
     try:
         data = (folder / JOURNAL).read_bytes()
-    except OSError:
+    except OSError as error:
+        refuse_out_of_files(error, folder)
         raise InputError(f"{folder}: the disk cache has no journal") from None
     records, offset = [], 0  # records: (end offset, record) of everything but steps
     held: list[dict[str, Any]] = []  # the steps' records, in order

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import resource
+import weakref
+
+from ...errors import OutputError
 
 MOST_OPEN_FILES = 1 << 20  # what the soft limit is raised to at most
 
@@ -42,3 +46,23 @@ def reason(error: OSError) -> str:
     if error.errno == errno.ENFILE:
         return "too many open files in the system: raise its limit (sysctl fs.file-max) or close other programs"
     return error.strerror or str(error)
+
+
+def refuse_out_of_files(error: OSError, folder: object) -> None:
+    """A one-line `OutputError` naming the limit when ``error`` says this process (or the system) holds as many
+    files open as it may: a file of ``folder`` that could not be opened then, not one that is damaged or missing."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        raise OutputError(f"cannot read the disk cache in {folder}: {reason(error)}") from None
+
+
+def close_all(fds: list[int]) -> None:
+    """Close the descriptors in ``fds``, emptying it."""
+    while fds:
+        os.close(fds.pop())
+
+
+def closed_with(owner: object, fds: list[int]) -> list[int]:
+    """``fds`` (a list its owner adds the descriptors it opens to, and empties with `close_all` when it closes them),
+    closed when ``owner`` is collected still holding some: a stream dropped without `close` leaves none open."""
+    weakref.finalize(owner, close_all, fds)
+    return fds

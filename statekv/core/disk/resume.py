@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InputError
+from ...errors import InputError, OutputError
 from ..cache import persistence
 from .buffers import PER_SEGMENT, PER_STEP, MappedTokenBuffer, rows_crc, rows_of
 from .compaction import BACKLOG, JournalSteps
@@ -54,8 +54,8 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
             try:
                 mapped.close()  # reopened as the journal says (also in place, after a step it could not write)
                 mapped.open(tuple(shape["row"]), getattr(torch, shape["dtype"]), int(sizes[name]), block_rows=blocks)
-            except InputError:
-                raise  # names the file
+            except (InputError, OutputError):
+                raise  # names the file, or the limit on open files
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 raise InputError(f"{where}: the disk cache is damaged: {mapped.paths[0].name} cannot be "
                                  "reopened") from None

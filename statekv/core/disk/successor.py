@@ -31,9 +31,10 @@ import torch
 
 from ...errors import InputError, OutputError
 from ...flushing import flush_folder
-from .buffers import close_all, closed_with, pwrite_all
+from .buffers import pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
+from .open_files import close_all, closed_with, reason
 from .tier import DiskTier
 
 log = logging.getLogger("statekv")
@@ -72,7 +73,7 @@ class BacklogFile:
         try:
             data = os.pread(self._fd, entry[1], entry[0])
         except OSError as error:
-            raise OutputError(f"cannot read the disk cache in {self.tier.folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot read the disk cache in {self.tier.folder}: {reason(error)}") from None
         if len(data) != entry[1] or zlib.crc32(data) != entry[2]:
             raise InputError(f"{self.tier.folder}: the disk cache is damaged: {BACKLOG_FILE} does not hold a step's "
                              "embeddings as journaled")
@@ -89,7 +90,7 @@ class BacklogFile:
                 os.fsync(self._fd)
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
-                                  f"{error.strerror or error}") from None
+                                  f"{reason(error)}") from None
 
     def _open(self) -> None:
         if self._fd < 0:
@@ -98,7 +99,7 @@ class BacklogFile:
                 self._files.append(self._fd)
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
-                                  f"{error.strerror or error}") from None
+                                  f"{reason(error)}") from None
 
     def close(self) -> None:
         close_all(self._files)
@@ -203,7 +204,7 @@ def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
     except OSError as error:
         partial.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
-        raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}") from None
+        raise OutputError(f"cannot write the disk cache in {folder}: {reason(error)}") from None
 
 
 def finish_handover(folder: Path) -> bool:
@@ -240,7 +241,7 @@ def finish_handover(folder: Path) -> bool:
         flush_folder(folder, strict=True)
     except OSError as error:
         raise OutputError(f"cannot finish the handover of the disk cache in {folder}: "
-                          f"{error.strerror or error}") from None
+                          f"{reason(error)}") from None
     return True
 
 

@@ -76,12 +76,12 @@ from ...errors import OutputError
 from ...flushing import flush_folder
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
-from .buffers import MIRRORED, MappedTokenBuffer, close_all, closed_with, pwrite_all, rows_crc, rows_of
+from .buffers import MIRRORED, MappedTokenBuffer, pwrite_all, rows_crc, rows_of
 from .compaction import BACKLOG, loaded_record
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
 from .mirrored import MirroredTokenBuffer
-from .open_files import raise_open_files_limit
+from .open_files import close_all, closed_with, raise_open_files_limit, reason
 
 log = logging.getLogger("statekv")
 
@@ -117,7 +117,7 @@ class DiskTier:
         except OSError as error:
             if lock is None:
                 self.lock.release()
-            raise OutputError(f"cannot write the disk cache in {folder}: {error.strerror or error}; a stream on the "
+            raise OutputError(f"cannot write the disk cache in {folder}: {reason(error)}; a stream on the "
                               "disk tier writes into its folder as it goes on: copy the folder somewhere writable "
                               "to resume it there") from None
         self.storages: list[OffloadedStorage] = []
@@ -156,7 +156,7 @@ class DiskTier:
         try:
             folder.mkdir(parents=True)
         except OSError as error:
-            raise OutputError(f"cannot create the disk cache in {offload_dir}: {error.strerror or error}") from None
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason(error)}") from None
         try:
             lock = hold(folder, f"stream {str(name)[:80]!r}")
         except BaseException:
@@ -170,8 +170,8 @@ class DiskTier:
         except OSError as error:
             lock.release()
             shutil.rmtree(folder, ignore_errors=True)  # nothing half-made is left behind
-            reason = str(error) if isinstance(error, OutputError) else error.strerror or str(error)
-            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason}") from None
+            why = str(error) if isinstance(error, OutputError) else reason(error)
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {why}") from None
         tier.made = True
         try:
             tier.append(journal_header(tier.file_set))
@@ -237,7 +237,7 @@ class DiskTier:
         try:
             write_checked(self.folder / f"{name}.json", fields)
         except OSError as error:
-            raise OutputError(f"cannot describe the disk cache in {self.folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot describe the disk cache in {self.folder}: {reason(error)}") from None
 
     def append(self, *records: dict[str, Any]) -> None:
         """Append journal records (JSON objects), each after its CRC-32, in one write: whole, or (an `OutputError`,
@@ -254,7 +254,7 @@ class DiskTier:
             except OSError:
                 pass
             if isinstance(error, OSError):
-                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
             raise
         self.appends += 1
         for record in records:
@@ -306,7 +306,7 @@ class DiskTier:
         if not self.compact_failed:
             self.compact_failed = True
             log.warning("%s: cannot compact the disk cache's journal (%s); it keeps growing with every step",
-                        self.folder, error.strerror or error)
+                        self.folder, reason(error))
 
     def commit_step(self, step: int, tokens: int, cache: Any, extra: dict[str, Any], *,
                     ends_vision_call: bool = True) -> None:
@@ -372,7 +372,7 @@ class DiskTier:
             try:
                 self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
             except OSError as error:
-                raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
             self._files.extend(self._slots)
         pwrite_all(self._slots[slot], memoryview(data), 0)
         # the records after it in the same write, counted in it (what they vouch for is written first, beside what
@@ -468,7 +468,7 @@ class DiskTier:
             for fd in (*self._slots, self._journal):
                 os.fsync(fd)
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {self.folder}: {error.strerror or error}") from None
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
 
     @property
     def journal_bytes(self) -> int:
