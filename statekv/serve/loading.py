@@ -138,7 +138,8 @@ class StreamLoader:
         back from: it raises `Quarantined` wherever its file set is not resumed. A file set that cannot be resumed
         raises `Quarantined`, once it is moved into the state folder's quarantine (left where it is when another
         process holds it, or it cannot be moved): it holds the pushes since the last save, so the stream is not
-        served from a save without them. ``healing``: as `load`."""
+        served from a save without them; one that cannot be read now (an `OutputError`: too many open files, a disk
+        that fails) raises `Quarantined` with the file set left where it is. ``healing``: as `load`."""
         alone = data.get("tier_saved") is True  # no save of its own: its frames are in its file set alone
         kept = (f"its frames are kept in its disk-tier file set {data.get('tier')} alone" if alone else
                 f"the frames it took since its last save are journaled in its disk-tier file set {data.get('tier')}")
@@ -185,6 +186,8 @@ class StreamLoader:
                 raise  # not damage: tried again once the folder can be written
             why = public_message(reason_of(error), _server_paths(root, folder))[:160]
             problem = f"its disk-tier file set {folder.name} cannot be resumed ({why})"
+            if isinstance(error, OutputError):  # not damage (too many open files, a disk that fails): kept in place
+                raise Quarantined(f"{problem}; left where it is, tried again at the next start") from None
         try:
             lock = hold(folder, None)  # the folder's own lock, as a stream living in it holds it
         except InputError:  # a live process holds it: not this server's to move
