@@ -50,6 +50,24 @@ def deep_checkpoint(tmp_path_factory):
                                 text_config={"num_hidden_layers": LAYERS})
 
 
+def saved_and_folder(checkpoint, tmp_path):
+    """A six-frame stream saved to a file, and the same stream's disk-tier folder, closed; and the VideoQA on the
+    disk tier that streamed it."""
+    frames = random_frames(6)
+    with statekv.VideoQA.from_pretrained(checkpoint, method="statekv", offload=True,
+                                         attention="eager").stream() as stream:
+        for frame in frames:
+            stream.push(frame)
+        saved = stream.save(tmp_path / "s.safetensors")
+    qa = statekv.VideoQA.from_pretrained(checkpoint, method="statekv", offload="disk",
+                                         offload_dir=tmp_path / "disk", attention="eager")
+    with qa.stream() as stream:
+        for frame in frames:
+            stream.push(frame)
+        folder = stream.folder
+    return saved, folder, qa
+
+
 def run_child(script: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
                           timeout=120)
@@ -58,18 +76,7 @@ def run_child(script: str, *args) -> subprocess.CompletedProcess:
 def test_a_library_stream_on_the_disk_tier_raises_the_soft_limit_on_open_files(deep_checkpoint, tmp_path):
     """Before: a soft limit below what the stream's layers hold open refused the load and the resume with a
     traceback (``OSError: [Errno 24] Too many open files``), where `statekv serve` would have raised it."""
-    frames = random_frames(6)
-    with statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload=True,
-                                         attention="eager").stream() as stream:
-        for frame in frames:
-            stream.push(frame)
-        saved = stream.save(tmp_path / "s.safetensors")
-    qa = statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload="disk",
-                                         offload_dir=tmp_path / "disk", attention="eager")
-    with qa.stream() as stream:
-        for frame in frames:
-            stream.push(frame)
-        folder = stream.folder
+    saved, folder, _ = saved_and_folder(deep_checkpoint, tmp_path)
     child = run_child(CHILD, deep_checkpoint, saved, folder, tmp_path / "child")
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["loaded", "6", "resumed", "6"]
@@ -97,18 +104,7 @@ def test_a_hard_limit_on_open_files_too_low_refuses_in_one_line_and_loses_nothin
     """Before: a resume under a hard limit its layers' files do not fit in raised ``OSError: [Errno 24] Too many
     open files`` with a traceback, and a load onto the disk tier said only "Too many open files". Now each is one
     line naming the limit and ``ulimit -n``, and the folder and the saved file load once the limit allows."""
-    frames = random_frames(6)
-    with statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload=True,
-                                         attention="eager").stream() as stream:
-        for frame in frames:
-            stream.push(frame)
-        saved = stream.save(tmp_path / "s.safetensors")
-    qa = statekv.VideoQA.from_pretrained(deep_checkpoint, method="statekv", offload="disk",
-                                         offload_dir=tmp_path / "disk", attention="eager")
-    with qa.stream() as stream:
-        for frame in frames:
-            stream.push(frame)
-        folder = stream.folder
+    saved, folder, qa = saved_and_folder(deep_checkpoint, tmp_path)
     child = run_child(REFUSED, deep_checkpoint, saved, folder, tmp_path / "child")
     assert child.returncode == 0, child.stderr[-2000:]
     refusals = child.stdout.splitlines()
