@@ -29,7 +29,7 @@ import socket
 import weakref
 from pathlib import Path
 
-from .errors import StateKVError
+from .errors import OutputError, StateKVError
 
 try:
     import fcntl
@@ -39,6 +39,9 @@ except ImportError:  # not a POSIX system
 MAX_HOLDER_CHARS = 300
 # what flock answers on a file system that has no locks (it then locks nothing); any other failure is said
 NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
+# what a lock that cannot be taken for want of a resource answers: the files are fine, and it is taken once there
+# is room again (an `OutputError`, never the caller's error, which may say the files are damaged or held)
+OUT_OF_ROOM = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT})
 
 
 class FileLock:
@@ -75,7 +78,7 @@ class FileLock:
             except OSError as failure:
                 if failure.errno not in NO_LOCKS:
                     os.close(fd)
-                    raise error(f"cannot lock {what}: {failure.strerror or failure}") from None
+                    raise _refusal(what, failure, error) from None
                 return cls(path, fd, remove, locked=False)  # a file system without locks (some network ones)
             if _same_file(path, fd):  # not replaced or removed between the open and the lock
                 break
@@ -189,7 +192,7 @@ def _open(path: Path, what: str, error: type[StateKVError]) -> int:
         try:
             return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError as failure:
-            raise error(f"cannot lock {what}: {failure.strerror or failure}") from None
+            raise _refusal(what, failure, error) from None
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as failure:
@@ -197,7 +200,17 @@ def _open(path: Path, what: str, error: type[StateKVError]) -> int:
     try:  # a read-only file (or folder) can still be locked
         return os.open(path, os.O_RDONLY)
     except OSError:
-        raise error(f"cannot lock {what}: {problem.strerror or problem}") from None
+        raise _refusal(what, problem, error) from None
+
+
+def _refusal(what: str, failure: OSError, error: type[StateKVError]) -> StateKVError:
+    """Why the lock of ``what`` cannot be taken: an `OutputError` when a resource ran out (too many open files, naming
+    the limit and ``ulimit -n``; a full disk), else ``error``."""
+    if failure.errno not in OUT_OF_ROOM:
+        return error(f"cannot lock {what}: {failure.strerror or failure}")
+    from .core.disk.open_files import reason  # the engine's package: loaded only when it is needed
+
+    return OutputError(f"cannot lock {what}: {reason(failure)}")
 
 
 def _same_file(path: Path, fd: int) -> bool:

@@ -6,6 +6,7 @@ process of its own."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import torch
 import statekv
 from statekv import Stream
 from statekv.core.disk.buffers import MappedTokenBuffer, rows_crc
+from statekv.errors import InputError, OutputError
+from statekv.locks import FileLock
 from statekv.testing import make_tiny_checkpoint
 
 from conftest import random_frames
@@ -143,3 +146,21 @@ def test_a_checksum_pass_holds_no_more_files_of_a_buffer_than_its_writes_do(tmp_
     assert torch.equal(buffer.view(0, 9)[1][:, :, 8], -rows[:, :, 0])
     buffer.close()
     assert open_files() == before
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENOSPC])
+def test_a_lock_refused_for_want_of_room_is_an_output_error_not_the_callers(tmp_path, monkeypatch, code):
+    """Before: the lock raised the caller's error (a disk tier's: an `InputError`, read as a damaged or held file set)
+    saying a bare "Too many open files"; it is now an `OutputError` (retry once there is room), naming the limit."""
+    opened = os.open
+
+    def refused(path, *args, **kwargs):
+        if os.fspath(path).startswith(str(tmp_path)):
+            raise OSError(code, os.strerror(code))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(OutputError) as caught:
+        FileLock.acquire(tmp_path / "set.lock", what="the set", error=InputError)
+    assert not isinstance(caught.value, InputError) and "\n" not in str(caught.value)
+    assert ("ulimit -n" if code == errno.EMFILE else "No space left") in str(caught.value)

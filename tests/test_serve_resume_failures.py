@@ -3,7 +3,9 @@ fails: an `OutputError`, not damage) leaves the file set where it is and serves 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 
@@ -40,5 +42,31 @@ def test_a_file_set_that_cannot_be_read_at_a_start_is_left_in_place_and_served_a
         assert "too many open files" in reason and "left where it is" in reason and "\n" not in reason
     assert folder.is_dir() and not list(state.glob(f"quarantine/{stream_id}-*"))
     monkeypatch.setattr(statekv.Stream, "load", loaded)
+    with Running(state, qa, options=disk) as server, server.client() as client:  # tried again: it resumes
+        assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3
+
+
+def test_a_file_set_whose_lock_cannot_be_taken_for_want_of_files_is_left_in_place(qa, tmp_path, monkeypatch):
+    """Before: the lock's "Too many open files" was an `InputError`, read as damage: the healthy file set was moved
+    into the quarantine (its lock taken a moment later), its stream damaged for good."""
+    tier, state = tmp_path / "tier", tmp_path / "state"
+    disk = ModelOptions(model="builtin", budget=BUDGET, offload="disk", offload_dir=str(tier))
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        stream_id = _stream(client, frames=3)
+    folder = tier / json.loads((state / "streams" / f"{stream_id}.json").read_text())["tier"]
+    opened, refused = os.open, []
+
+    def out_of_files_once(path, *args, **kwargs):
+        if os.fspath(path) == str(folder) and not refused:
+            refused.append(path)
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return opened(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", out_of_files_once)
+    with Running(state, qa, options=disk) as server, server.client() as client:
+        reason = {s["id"]: s for s in client.get("/v1/streams").json()["data"]}[stream_id]["damaged"]
+        assert "ulimit -n" in reason and "left where it is" in reason and "\n" not in reason
+    assert refused and folder.is_dir() and not list(state.glob(f"quarantine/{stream_id}-*"))
+    monkeypatch.setattr(os, "open", opened)
     with Running(state, qa, options=disk) as server, server.client() as client:  # tried again: it resumes
         assert client.get(f"/v1/streams/{stream_id}").json()["frames"] == 3

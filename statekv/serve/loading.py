@@ -193,6 +193,10 @@ class StreamLoader:
         except InputError:  # a live process holds it: not this server's to move
             raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken (another process holds "
                               "it)") from None
+        except OutputError as failure:  # too many open files, a full disk: tried again at the next start
+            why = public_message(reason_of(failure), _server_paths(root, folder))[:160]
+            raise Quarantined(f"{problem}; left where it is, since its lock cannot be taken now ({why}); tried again "
+                              "at the next start") from None
         try:
             where = self.files.move_to_quarantine(data["id"], folder)
         except OSError as failure:
