@@ -7,17 +7,20 @@ before a request about it, checking it is still this server's, listing, and what
 from __future__ import annotations
 
 import asyncio
-import shutil
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.disk.files import hold
 from ..errors import InputError
 from .errors import ServiceError
+from .store import remove_folder
 
 if TYPE_CHECKING:
     from .entries import StreamEntry
     from .registry import StreamRegistry
+
+log = logging.getLogger("statekv.serve")
 
 
 class Placement:
@@ -80,8 +83,11 @@ class Placement:
         try:
             await registry.begin_removal(stream_id, tier)  # a kill from here on: the next start finishes it
             if tier is not None:
-                await asyncio.to_thread(shutil.rmtree, tier, True)
+                await asyncio.to_thread(remove_folder, tier)
             await asyncio.to_thread(registry.files.remove, stream_id)
+        except OSError as error:  # begun: never served again, and finished at the next start
+            log.error("stream %s is deleted, but not all its files could be removed (%s); the rest are removed at "
+                      "the next start", stream_id, error)
         finally:
             if lock is not None:
                 lock.release()

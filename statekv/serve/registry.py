@@ -38,7 +38,7 @@ from .loading import StreamLoader, unreadable
 from .metrics import Metrics
 from .page_record import HISTORY
 from .placement import Placement
-from .store import STREAM_ID, StreamFiles
+from .store import STREAM_ID, StreamFiles, remove_folder
 from .stream_settings import StreamSettings, shown
 from .tier_saves import drop_whole_save, save_stream, saved_in_tier, tier_in_place, tier_kept
 from .worker import ModelExecutor
@@ -234,8 +234,9 @@ class StreamRegistry:
                 except (OSError, StateKVError) as error:  # what it would have kept is being deleted anyway
                     log.warning("stream %s did not close cleanly (%s); its files are removed all the same",
                                 entry.id, error)
-                remove_tier(entry)  # every tier: the disk-tier file set, the save, the record
-                self.files.remove(entry.id)
+                if entry.tier is not None:
+                    remove_folder(entry.tier)  # whole, or its deletion note stays for the next start
+                self.files.remove(entry.id)  # the save, the record, the note last
             except OSError as error:  # begun: never served again, and finished at the next start
                 log.error("stream %s is deleted, but not all its files could be removed (%s); the rest are removed "
                           "at the next start", entry.id, error)

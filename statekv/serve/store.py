@@ -74,10 +74,23 @@ def _removed_unheld(folder: Path) -> str | None:
     except InputError as error:
         return str(error)
     try:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_folder(folder)
+    except OSError as error:
+        return f"its disk-tier folder {folder.name} cannot be removed whole: {error.strerror or error}"
     finally:
         lock.release()
     return None
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove ``folder`` and everything in it, as much of it as can go; the `OSError` that left a part of it is
+    raised (a deletion then keeps its note, so the next start finishes it rather than forget what is left)."""
+    try:
+        shutil.rmtree(folder)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)  # the rest of it, past the file that would not go
+        if os.path.lexists(folder):
+            raise
 
 
 def check_record(record: object, stream_id: str) -> dict[str, Any]:
@@ -472,11 +485,12 @@ class StreamFiles:
         return f"{QUARANTINE}/{target.name}"
 
     def remove_quarantined(self, stream_id: str) -> None:
-        """Remove the stream's moved file sets and its quarantine note."""
+        """Remove the stream's moved file sets and its quarantine note; an `OSError` when a file set cannot be
+        removed whole (the note then stays)."""
         if not self.quarantine.is_dir():
             return
         for path in self.quarantine.glob(f"{stream_id}-*"):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_folder(path)
         self.note_path(stream_id).unlink(missing_ok=True)
 
     def set_aside(self, stream_id: str) -> str:
