@@ -164,3 +164,29 @@ def test_a_lock_refused_for_want_of_room_is_an_output_error_not_the_callers(tmp_
         FileLock.acquire(tmp_path / "set.lock", what="the set", error=InputError)
     assert not isinstance(caught.value, InputError) and "\n" not in str(caught.value)
     assert ("ulimit -n" if code == errno.EMFILE else "No space left") in str(caught.value)
+
+
+def test_a_disk_tier_sync_past_the_limit_on_open_files_names_it(tmp_path, monkeypatch):
+    """Before: a sync (a server's save) writing its watches past the limit said a bare "Too many open files"."""
+    import builtins
+
+    qa = statekv.VideoQA.from_options(statekv.ModelOptions(model="builtin", budget=64, offload="disk",
+                                                           offload_dir=str(tmp_path)))
+    stream = qa.stream(16, max_fps=1.0)
+    for t, frame in enumerate(random_frames(2, height=48, width=64)):
+        stream.push(frame, float(t))
+    stream.watch("What colour?", every=1, max_new_tokens=2)
+    opened = builtins.open
+
+    def out_of_files(path, *args, **kwargs):
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(str(tmp_path)):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), os.fspath(path))
+        return opened(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(builtins, "open", out_of_files)
+        with pytest.raises(OutputError, match="ulimit -n") as caught:
+            stream.sync()
+    assert "\n" not in str(caught.value)
+    stream.sync()  # once there are files to spare
+    stream.close()
