@@ -18,7 +18,8 @@ from ..console import check_extra, omp_threads
 from ..errors import ConfigurationError
 from ..plotting import check_plot_file
 from ..settings.options import ModelOptions
-from ..settings.values import POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int, shown
+from ..settings.values import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, check_output_file, positive_int,
+                               shown)
 
 ROUTES = ("ask", "chat")
 SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
@@ -103,7 +104,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--warm-frames", type=POSITIVE_INT, default=16, metavar="N",
                       help="frames pushed to each stream before the clock starts, unmeasured: cameras live for a while "
                            "(their carried state full, their steps steady) (default: 16)")
-    load.add_argument("--seed", type=int, default=0, help="seed of the cameras' phases and the questions' times")
+    load.add_argument("--seed", type=NON_NEGATIVE_INT, default=0,
+                      help="seed of the cameras' phases and the questions' times")
     goals = parser.add_argument_group("targets and output")
     goals.add_argument("--ttft-target", type=POSITIVE_FLOAT, default=0.5, metavar="S",
                        help="p95 seconds to the first answer token a camera must get (default: 0.5)")
