@@ -8,7 +8,9 @@ uploader, it sends its frames in order, one at a time: each at its capture time,
 answered if that is later (a camera's frames never overtake each other, which the server would refuse), so a
 camera the server cannot keep up with falls further behind with every frame, and its lag (answer time minus
 capture time) grows. Questions arrive per stream with gamma-distributed gaps of mean ``1 / question_rate``
-(``burstiness`` 1: a Poisson process; below 1 burstier, above 1 more regular, vLLM's convention).
+(``burstiness`` 1: a Poisson process; below 1 burstier, above 1 more regular, vLLM's convention), each stream's
+process stationary (already running when the clock starts: ``question_rate`` questions a second on average,
+whatever the burstiness; `first_arrival`).
 
 Each stream is made with ``POST /v1/streams`` (every pushed frame kept, no horizon: a camera that never ends) and
 primed with ``warm_frames`` frames before the clock starts (a camera that has been live a while: its carried state
@@ -97,7 +99,7 @@ class Run:
 
 def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request]:
     """Every request of a run, due times in order: frames at each camera's rate from its phase, questions as each
-    stream's renewal process of gamma gaps (shape ``burstiness``, mean ``1 / question_rate``)."""
+    stream's stationary renewal process of gamma gaps (shape ``burstiness``, mean ``1 / question_rate``)."""
     rng = np.random.default_rng(settings.seed)
     period, end = 1.0 / settings.fps, start + settings.duration
     requests = []
@@ -107,11 +109,21 @@ def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request
         requests += [Request("frame", stream, start + phase + k * period) for k in range(count)]
         if settings.question_rate > 0:
             scale = 1.0 / (settings.question_rate * settings.burstiness)
-            due = start + rng.gamma(settings.burstiness, scale)
+            due = start + first_arrival(rng, settings.burstiness, scale)
             while due < end:
                 requests.append(Request("question", stream, due))
                 due += rng.gamma(settings.burstiness, scale)
     return sorted(requests, key=lambda request: request.due)
+
+
+def first_arrival(rng: np.random.Generator, shape: float, scale: float) -> float:
+    """Seconds from the clock's start to a stream's first question, its gaps gamma (``shape``, ``scale``) and its
+    process taken as already running (stationary): then a run of D seconds asks ``D / (shape * scale)`` questions
+    on average whatever the shape; a process begun at a question asks more in bursts (shape below 1) and fewer when
+    regular. The stationary wait is a gap drawn by its length (gamma of shape + 1) times a uniform."""
+    if shape == 1.0:  # Poisson: the wait is a gap itself (memoryless), drawn as it always was, so seeds keep
+        return float(rng.gamma(1.0, scale))  # the schedules of runs already reported
+    return float(rng.uniform() * rng.gamma(shape + 1.0, scale))
 
 
 async def run_load(url: str, key: str, streams: int, settings: LoadSettings, frames: Callable[[int], list[bytes]],
