@@ -7,11 +7,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-NOWHERE = ["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1", "--duration", "1"]
+NOWHERE = ["--url", "http://127.0.0.1:9", "--api-key", "x", "--streams", "1"]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--seed", "-1"], "--seed: expected a non-negative integer, got '-1'"),  # a traceback once the streams were made
+    (["--seed", "-1", "--duration", "1"],  # a traceback once the warm-up's stream was made
+     "--seed: expected a non-negative integer, got '-1'"),
+    (["--question-rate", "1e9", "--duration", "30"],  # scheduled for good, once the warm-up was done
+     "--duration 30 s at --question-rate 1e+09 schedules more questions a camera than a run can send"),
 ])
 def test_flags_no_schedule_can_follow_are_one_line_and_start_nothing(args, message, capsys):
     from statekv.cli import main

@@ -25,7 +25,7 @@ ROUTES = ("ask", "chat")
 SERVER_ASKS = 1024  # the started server's --max-asks: questions are load here, not something to refuse
 STARTED_STREAMS = 256  # the started server's --max-streams, and the most cameras --find-max tries against it
 URL_CAMERAS = 1024  # the most cameras --find-max tries against a running server (--url), unless told
-MAX_CAMERA_FRAMES = 10**7  # frames one camera's run may schedule (each is a request made ahead)
+MAX_CAMERA_FRAMES = 10**7  # frames (or questions, on average) one camera's run may schedule, each a request made ahead
 
 
 def stream_counts(text: str) -> list[int]:
@@ -153,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.duration * args.fps <= MAX_CAMERA_FRAMES:
         raise ConfigurationError(f"--duration {args.duration:g} s at --fps {args.fps:g} schedules more frames a camera "
                                  f"than a run can send (at most {MAX_CAMERA_FRAMES:,})")
+    if not args.duration * args.question_rate <= MAX_CAMERA_FRAMES:  # scheduled ahead as frames are
+        raise ConfigurationError(f"--duration {args.duration:g} s at --question-rate {args.question_rate:g} schedules "
+                                 f"more questions a camera than a run can send (at most {MAX_CAMERA_FRAMES:,})")
     if math.floor(args.duration * args.fps) < 1:
         raise ConfigurationError(f"--duration {args.duration:g} s at --fps {args.fps:g} schedules no frame to measure; "
                                  f"run at least {1 / args.fps:g} s")
