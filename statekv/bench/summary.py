@@ -1,9 +1,10 @@
 """What a run of N cameras comes to: throughput, lag behind real time, time to first token, goodput; the progress
 line while it goes; the table, the JSON and the plot of a sweep.
 
-A camera is **held at real time** when every one of its requests succeeded and its frames were streamed within
-``lag_target`` seconds of being due at p95 (a camera the server cannot keep up with falls further behind with
-every frame, so its lag grows without bound). **Goodput** counts the cameras held at real time whose questions'
+A camera is **held at real time** when every one of its requests succeeded, its frames were streamed within
+``lag_target`` seconds of being due at p95, and it caught up in the run's last quarter (`caught_up`): a camera the
+server cannot keep up with falls further behind with every frame, so its lag grows without bound, and one served a
+little slower than real time stays under any lag target for a run short enough. **Goodput** counts the cameras held at real time whose questions'
 p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests meeting every latency target; here
 the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy's default, as vLLM reports them).
 A frame still out (or not yet sent) when the drain ends counts in the lag with the lag it had then, a lower bound:
@@ -54,6 +55,14 @@ def frame_lags(frames: Sequence[Any]) -> list[float]:
     return [r.done - r.due if r.ok else r.given_up - r.due for r in frames if r.ok or r.given_up is not None]
 
 
+def caught_up(frames: Sequence[Any], since: float, fps: float) -> bool:
+    """Whether a camera's backlog emptied after ``since`` (its last frame, if none is due by then): one of its frames
+    due then was sent within half a period of being due, its predecessor streamed by then. A camera served slower
+    than real time never catches up (each frame waits for the one before it), however little it is behind yet."""
+    tail = [r for r in frames if r.due >= since] or list(frames[-1:])
+    return any(r.sent is not None and r.sent - r.due <= 0.5 / fps for r in tail)
+
+
 def default_progress(label: str, settings: LoadSettings) -> Callable[..., None]:
     """A progress line on stderr (``show(run, now, final=False)``): rewritten in place on a terminal, else one line
     every five seconds, and the run's last line (``final``) in either case."""
@@ -100,8 +109,10 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
     held = goodput = 0
     for stream in range(run.streams):
         own = [r for r in run.requests if r.stream == stream]
-        lag = percentile(frame_lags([r for r in own if r.kind == "frame"]), 95)
-        if any(not r.ok for r in own) or lag is None or lag > targets.lag_target:
+        own_frames = [r for r in own if r.kind == "frame"]
+        lag = percentile(frame_lags(own_frames), 95)
+        if any(not r.ok for r in own) or lag is None or lag > targets.lag_target or \
+                not caught_up(own_frames, run.start + 0.75 * duration, fps):
             continue
         held += 1
         ttft = percentile([r.first_token - r.sent for r in own if r.kind == "question"], 95)
