@@ -26,9 +26,11 @@ float rounding from the same frames' in other calls). Data is written before the
 contract: a process killed at any point leaves a file set that resumes (`read_file_set`, `resume`) exactly at its
 last checkpoint, so a kill loses at most the frames of the last ``CHECKPOINT_STEPS - 1`` steps and of the vision
 call the last checkpoint waited for (those after the checkpoint, counted as lost); a stream saved, synced or closed
-loses nothing. Written data reaches the kernel at once; `DiskTier.sync` forces it
-to the device. A step no longer writes the whole carried state (every layer's budget of keys and values): that is
-paid once per checkpoint.
+loses nothing. Written data reaches the kernel at once; each checkpoint forces what its record vouches for to the
+device before the record, and the record after (`statekv.core.disk.power_loss`: a power loss, which loses what was
+not forced, then loses what a kill does, or the records after the last checkpoint too), as do `DiskTier.sync` and a
+close. A step no longer writes the whole carried state (every layer's budget of keys and values): that is paid once
+per checkpoint.
 
 Bounded: a stream evicting under a cap gives up its oldest steps' rows, but each step's journal line used to stay,
 so the journal (then counted under the cap by its length) grew until it alone filled it. After a checkpoint, once
@@ -82,6 +84,7 @@ from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANI
                     journal_header, journal_line, write_checked)
 from .mirrored import MirroredTokenBuffer
 from .open_files import close_all, closed_with, raise_open_files_limit, reason
+from .power_loss import SYNCED
 
 log = logging.getLogger("statekv")
 
@@ -367,14 +370,18 @@ class DiskTier:
         tally = _tally(self._cache)
         data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                         for t in [*(t for parts in carried for t in parts), *tally] if t is not None)
-        slot = self.checkpoints % 2
-        if not self._slots:  # kept open and overwritten in place (a record names the bytes it vouches for)
+        slot, made = self.checkpoints % 2, not self._slots
+        if made:  # kept open and overwritten in place (a record names the bytes it vouches for)
             try:
                 self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
             self._files.extend(self._slots)
         pwrite_all(self._slots[slot], memoryview(data), 0)
+        # on the device before the record vouching for them (the journal's steps, the layers' rows, the slot; their
+        # names): a record a power loss leaves vouches for durable data, and the other slot is overwritten only
+        # once this record is durable too
+        self._force(self._slots[slot], self._journal, folder=made)
         # the records after it in the same write, counted in it (what they vouch for is written first, beside what
         # the last checkpoint's vouch for): a kill, even one that tears the write, leaves the checkpoint with them
         # or the last one with its own
@@ -385,7 +392,8 @@ class DiskTier:
                      "carry_crc": zlib.crc32(data),
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
                      **({"tally": len(tally[0])} if tally else {}),
-                     **({FOLLOWED_BY: len(followers)} if followers else {})}, *followers)
+                     **({FOLLOWED_BY: len(followers)} if followers else {}), SYNCED: True}, *followers)
+        self._force(self._journal, layers=False)
         self.after_checkpoint()
         self.checkpoints += 1
         self.checkpointed = self.last_step
@@ -410,6 +418,7 @@ class DiskTier:
         if later:
             self.append({"evict": later})
         per_segment = cache.layers[0].storage.segment_steps if cache.layers else 1
+        self._force()  # what the checkpoint vouches for, while the blocks written are open (the pass closes them)
         with self.reading():
             for step, start in _held_starts(folded.held_runs(count), step_lengths):
                 length = step_lengths[step]
@@ -459,14 +468,21 @@ class DiskTier:
 
     def sync(self) -> None:
         """Checkpoint the carried state (if the last step is not yet) and force everything written so far to the
-        storage device: a kill after this loses nothing (an `OutputError` when the device fails it)."""
+        storage device: a kill or a power loss after this loses nothing (an `OutputError` when the device fails it)."""
         self.checkpoint()
+        self._force(*self._slots, self._journal)
+
+    def _force(self, *fds: int, layers: bool = True, folder: bool = False) -> None:
+        """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`)
+        or the folder's names (``folder``), to the storage device; an `OutputError` when the device fails it."""
         try:
-            for layer in range(len(self.buffers)):
+            for layer in range(len(self.buffers) if layers else 0):
                 for _, buffer in self.layer_files(layer):
                     buffer.sync()
-            for fd in (*self._slots, self._journal):
+            for fd in fds:
                 os.fsync(fd)
+            if folder:
+                flush_folder(self.folder, strict=True)
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
 
@@ -501,7 +517,8 @@ class DiskTier:
         refused = None
         if self._journal >= 0 and checkpoint:
             try:
-                self.checkpoint()  # a closed stream resumes with nothing lost
+                self.checkpoint()  # a closed stream resumes with nothing lost, even after a power loss
+                self._force(self._journal)  # the records its close appended after the checkpoint
             except OutputError as error:
                 if keep_lock and not self.lost:
                     raise
