@@ -1,11 +1,16 @@
 """The disk tier after a power loss (not a kill): what was not forced to the device (fsync) is lost, in any order
 between files. A power cut is simulated by recording each file's bytes at its last fsync and putting the folder
-back to them; `Stream.load` resumes at the last checkpoint whose data is durable (what follows counted lost)."""
+back to them; `Stream.load` resumes at the last checkpoint whose data is durable (what follows counted lost), and
+still refuses a folder damaged before it."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import stat
+import zlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,7 @@ import torch
 
 import statekv
 from statekv import Stream
+from statekv.errors import InputError
 from statekv.models import load_adapter
 
 from conftest import random_frames, tiny_qa
@@ -103,3 +109,64 @@ def test_a_power_cut_resumes_at_the_last_checkpoint_forced_to_the_device(adapter
     closed = Stream.load(device.power_cut(folder, tmp_path / "closed"), qa)
     assert (closed.frames, closed.frames_lost) == (10, 0)
     closed.close()
+
+
+def test_a_journal_torn_by_a_power_cut_after_its_last_checkpoint_resumes_there(adapter, tmp_path, monkeypatch,
+                                                                            caplog):
+    """A page of the journal after the last checkpoint lost (zeros) while a later page reached the disk: before,
+    refused as damaged; now resumed at the checkpoint, saying so. Damage before it is still refused."""
+    device, frames = Device(monkeypatch), random_frames(12)
+    qa, stream = _streamed(adapter, tmp_path, monkeypatch, frames)
+    folder = stream.prefill.disk.folder
+    cut = device.power_cut(folder, tmp_path / "cut")
+    durable, whole = (cut / "journal").read_bytes(), (folder / "journal").read_bytes()
+    gap = (len(whole) - len(durable)) // 2
+    assert whole.startswith(durable) and whole[len(durable) + gap:].count(b"\n") > 1  # whole lines after the gap
+    (cut / "journal").write_bytes(durable + b"\0" * gap + whole[len(durable) + gap:])
+    damaged = shutil.copytree(cut, tmp_path / "damaged")
+    with caplog.at_level(logging.WARNING, logger="statekv"):
+        resumed = Stream.load(cut, qa)
+    said = [r.getMessage() for r in caplog.records if "power loss" in r.getMessage()]
+    assert len(said) == 1 and "step(s) journaled after it lost" in said[0], said
+    _resumes_as_streamed_to(resumed, adapter, frames, 7)
+    data = bytearray(durable)
+    data[len(durable) // 2: len(durable) // 2 + 40] = b"\0" * 40  # before the last checkpoint: durable, damaged
+    (damaged / "journal").write_bytes(bytes(data))
+    with pytest.raises(InputError, match="journal is damaged at line"):
+        Stream.load(damaged, qa)
+    stream.close()
+
+
+def _journal_of_an_earlier_statekv(folder: Path) -> None:
+    """The journal in ``folder`` as a statekv that forced nothing before a sync wrote it: no checkpoint marked."""
+    lines = []
+    for line in (folder / "journal").read_bytes().split(b"\n"):
+        record = json.loads(line.partition(b" ")[2]) if line else None
+        if isinstance(record, dict) and record.pop("synced", None) is not None:
+            text = json.dumps(record, separators=(",", ":")).encode()
+            line = b"%08x %s" % (zlib.crc32(text), text)
+        lines.append(line)
+    (folder / "journal").write_bytes(b"\n".join(lines))
+
+
+def test_a_checkpoint_an_earlier_statekv_left_unsynced_gives_way_to_the_one_before(adapter, tmp_path, monkeypatch):
+    """An earlier statekv's last checkpoint record survived a power cut, its slot's bytes did not: the checkpoint
+    before it, in the other slot, resumes (before: refused). One this statekv marked durable is refused."""
+    frames = random_frames(12)
+    qa, stream = _streamed(adapter, tmp_path, monkeypatch, frames)
+    folder = stream.prefill.disk.folder
+    carries = [json.loads(line.partition(" ")[2]) for line in (folder / "journal").read_text().splitlines()
+               if '"carry"' in line]
+    assert [(c["carry"], c["slot"]) for c in carries] == [(0, 0), (3, 1), (7, 0)]
+    marked = shutil.copytree(folder, tmp_path / "marked", ignore=shutil.ignore_patterns("lock"))
+    earlier = shutil.copytree(folder, tmp_path / "earlier", ignore=shutil.ignore_patterns("lock"))
+    stream.close()
+    for copy in (marked, earlier):
+        slot = copy / "carry.0.bin"
+        slot.write_bytes(b"\0" * slot.stat().st_size)
+    with pytest.raises(InputError, match="the carried state of step 7 does not match its checksum"):
+        Stream.load(marked, qa)
+    _journal_of_an_earlier_statekv(earlier)
+    resumed = Stream.load(earlier, qa)
+    assert resumed.frames_lost == 7  # frames 4 to 10: pushed after the checkpoint it resumed at
+    _resumes_as_streamed_to(resumed, adapter, frames, 3)

@@ -520,6 +520,11 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
     if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed
             and type(clock[1]) in (int, float) and clock[1] >= (stream.last_timestamp or 0.0)):
         stream.pushed, stream.last_timestamp = clock[0], float(clock[1])  # frames dropped after the last kept
+    if journal.unsynced:  # a power loss, not a kill: lost what had not reached the device, dropped as after one
+        log.warning("%s: %s lost writes not yet on the storage device when it stopped (a power loss?): %s; it "
+                    "resumes at its checkpoint of step %d, the %d step(s) journaled after it lost", stream.name,
+                    folder, journal.unsynced, len(journal.steps) - 1, journal.steps_after,
+                    extra={"steps_lost": journal.steps_after})
     if stream.frames_lost:
         # pushable again: the clock stands before them (after a close it may stand past them; a command replaying a
         # file, which pushes them again then, says so instead of this line)

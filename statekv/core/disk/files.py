@@ -27,6 +27,7 @@ from ..storage.memory import available_bytes
 from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
                          merged_record, record_pieces)
 from .open_files import refuse_out_of_files
+from .power_loss import slot_matches, synced
 
 FORMAT = "statekv-disk-cache"
 # 5: its layers' files in blocks (`statekv.core.disk.buffers`); 4: one file a part, a row for every token ever
@@ -62,6 +63,10 @@ class Journaled:
     end: int = 0  # byte offset of the journal just after the checkpoint's record and the records it counts
     carry: dict[str, Any] | None = None
     later_evictions: list[int] = field(default_factory=list)  # evicted after the checkpoint (their rows are gone)
+    # what a power loss took of writes not yet on the device ("": nothing seen), and the steps journaled after the
+    # checkpoint (`statekv.core.disk.power_loss`)
+    unsynced: str = ""
+    steps_after: int = 0
 
 
 # -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
@@ -155,7 +160,7 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
     except OSError as error:
         refuse_out_of_files(error, folder)
         raise InputError(f"{folder}: the disk cache has no journal") from None
-    records, offset = [], 0  # records: (end offset, record) of everything but steps
+    records, offset, unsynced = [], 0, ""  # records: (end offset, record) of everything but steps
     held: list[dict[str, Any]] = []  # the steps' records, in order
     compacted: list[dict[str, Any]] = []  # the compacted records, checked
     lines = data.split(b"\n")
@@ -171,7 +176,12 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         last = number == len(lines) - 1  # no newline after it: torn by a kill, or empty
         record = None if last else _record(line)
         if record is None:
-            if last or all(not rest for rest in lines[number + 1:]):
+            tail = last or all(not rest for rest in lines[number + 1:])  # what a kill leaves: a torn last line
+            if not latest and (b"\0" in line or not tail) and not any(synced(_record(rest))
+                                                                      for rest in lines[number + 1:]):
+                unsynced = f"its journal does not read from line {number + 1} on"  # never forced to the device
+                break
+            if tail:
                 break
             raise InputError(f"{folder}: the disk cache's journal is damaged at line {number + 1}")
         offset += len(line) + 1
@@ -203,6 +213,12 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
     while checkpoint is not None and len(records) - 1 - checkpoint < _followers(records[checkpoint][1]):
         records = records[:checkpoint]  # its write was torn by a kill: the checkpoint before vouches, with its own
         checkpoint = _last_checkpoint(records, count)
+    carry = None if checkpoint is None else records[checkpoint][1]
+    if carry is not None and not latest and not synced(carry) and not slot_matches(folder, carry):
+        earlier = _last_checkpoint(records[:checkpoint], count)  # in the slot the unsynced one did not overwrite
+        if earlier is not None and records[earlier][1].get("slot") != carry.get("slot"):
+            unsynced = f"the carried state of step {carry['carry']} does not match its checksum"
+            records, checkpoint = records[:checkpoint] + records[checkpoint + 1 + _followers(carry):], earlier
     upto = count if latest else 0 if checkpoint is None else records[checkpoint][1]["carry"] + 1
     steps = _steps(folder, held, pieces, named, upto)
     journal = Journaled(manifest, steps=steps)
@@ -218,6 +234,7 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
     if checkpoint is None:
         return journal if not count else _no_checkpoint(folder)
     journal.carry = records[checkpoint][1]
+    journal.unsynced, journal.steps_after = unsynced, count - upto
     journal.end = records[checkpoint + _followers(journal.carry)][0]  # cut before them, it would read as torn
     for index, (_, record) in enumerate(records):
         if "evict" in record:

@@ -15,6 +15,7 @@ from ..cache import persistence
 from .buffers import PER_SEGMENT, PER_STEP, MappedTokenBuffer, rows_crc, rows_of
 from .compaction import BACKLOG, JournalSteps
 from .files import Journaled, check_file_set, read_checked
+from .power_loss import carried_layout, layout_bytes
 from .tier import DiskTier
 
 SUMMARIES = ("step_means", "step_samples")  # the step summaries' buffers
@@ -219,18 +220,10 @@ def _carried_slot(where: Path, carry: dict[str, Any], layers: int, tokens: int, 
     """The carried state the checkpoint ``carry`` wrote: per layer, positions ``[B, H_kv, K]``, keys, values,
     placements (or None) and the open segment (or None); and evict-least-attended's tally (steps ``[L]`` and their
     totals ``[L]``; None if it wrote none), of a state of ``tokens`` tokens in ``steps`` steps."""
-    dtype = getattr(torch, str(carry.get("carried_dtype")), None)
-    shapes, placed, segment = carry.get("carried"), bool(carry.get("placed")), carry.get("segment")
-    if (not isinstance(dtype, torch.dtype) or not isinstance(shapes, list) or len(shapes) != layers
-            or not all(isinstance(shape, list) and len(shape) == 4 for shape in shapes)):
+    layout = carried_layout(carry)
+    if layout is None or len(layout) != layers:
         raise InputError(f"{where}: the disk cache is damaged: its carried state does not fit {layers} layers")
-    layout = []
-    for shape in shapes:
-        parts = [(torch.int64, shape[:3]), (dtype, shape), (dtype, shape)]
-        parts.append((torch.int64, [2, *shape[:3]]) if placed else None)
-        parts.append((dtype, segment) if isinstance(segment, list) else None)
-        layout.append(parts)
-    size = sum(math.prod(s) * kind.itemsize for parts in layout for part in parts if part for kind, s in [part])
+    size = layout_bytes(layout)
     tallied = carry.get("tally")
     if tallied is not None and (type(tallied) is not int or not 0 <= tallied <= steps):
         raise InputError(f"{where}: the disk cache's journal is damaged: its checkpoint's tally of {tallied!r} steps")
