@@ -170,3 +170,31 @@ def test_a_checkpoint_an_earlier_statekv_left_unsynced_gives_way_to_the_one_befo
     resumed = Stream.load(earlier, qa)
     assert resumed.frames_lost == 7  # frames 4 to 10: pushed after the checkpoint it resumed at
     _resumes_as_streamed_to(resumed, adapter, frames, 3)
+
+
+def _damaged(folder: Path, to: Path, step: int) -> Path:
+    """A copy of ``folder`` in ``to`` whose journal's record of step ``step`` does not read (a bit flipped)."""
+    to = shutil.copytree(folder, to)
+    lines = (to / "journal").read_bytes().split(b"\n")
+    number = next(n for n, line in enumerate(lines) if b'{"step":%d,' % step in line)
+    lines[number] = lines[number][:20] + bytes([lines[number][20] ^ 1]) + lines[number][21:]
+    (to / "journal").write_bytes(b"\n".join(lines))
+    return to
+
+
+def test_an_earlier_statekvs_journal_damaged_before_a_checkpoint_is_refused(adapter, tmp_path, monkeypatch):
+    """An earlier statekv's journal (no checkpoint marked) with a record that does not read before a checkpoint's
+    that does: damage, refused naming its line as before (before: taken for a power loss, the stream resumed at
+    the checkpoint before the damage, every step after it dropped and its files cut, or refused for a slot)."""
+    frames = random_frames(12)
+    qa, stream = _streamed(adapter, tmp_path, monkeypatch, frames)
+    earlier = shutil.copytree(stream.prefill.disk.folder, tmp_path / "earlier", ignore=shutil.ignore_patterns("lock"))
+    stream.close()
+    _journal_of_an_earlier_statekv(earlier)
+    for step, line in ((5, 15), (1, 5)):  # between the checkpoints of steps 3 and 7; before that of step 3
+        with pytest.raises(InputError, match=f"journal is damaged at line {line}$"):
+            Stream.load(_damaged(earlier, tmp_path / f"step {step}", step), qa)
+    torn = _damaged(earlier, tmp_path / "after its last", 9)  # after its last checkpoint: dropped (a power loss)
+    resumed = Stream.load(torn, qa)
+    assert (resumed.frames, resumed.frames_lost) == (7, 2)
+    resumed.close()

@@ -27,7 +27,7 @@ from ..storage.memory import available_bytes
 from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
                          merged_record, record_pieces)
 from .open_files import refuse_out_of_files
-from .power_loss import slot_matches, synced
+from .power_loss import checkpointed, slot_matches, synced
 
 FORMAT = "statekv-disk-cache"
 # 5: its layers' files in blocks (`statekv.core.disk.buffers`); 4: one file a part, a row for every token ever
@@ -177,9 +177,12 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         record = None if last else _record(line)
         if record is None:
             tail = last or all(not rest for rest in lines[number + 1:])  # what a kill leaves: a torn last line
-            if not latest and (b"\0" in line or not tail) and not any(synced(_record(rest))
+            # never forced to the device unless a checkpoint's record follows: marked, forced after it; an earlier
+            # statekv's, appended after it (a page of it lost with a later one kept is damage to refuse, not a
+            # stream to cut back to the checkpoint before it)
+            if not latest and (b"\0" in line or not tail) and not any(checkpointed(_record(rest))
                                                                       for rest in lines[number + 1:]):
-                unsynced = f"its journal does not read from line {number + 1} on"  # never forced to the device
+                unsynced = f"its journal does not read from line {number + 1} on"
                 break
             if tail:
                 break
