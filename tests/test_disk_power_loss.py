@@ -20,6 +20,7 @@ import statekv
 from statekv import Stream
 from statekv.errors import InputError
 from statekv.models import load_adapter
+from statekv.testing import make_tiny_checkpoint
 
 from conftest import random_frames, tiny_qa
 
@@ -197,4 +198,31 @@ def test_an_earlier_statekvs_journal_damaged_before_a_checkpoint_is_refused(adap
     torn = _damaged(earlier, tmp_path / "after its last", 9)  # after its last checkpoint: dropped (a power loss)
     resumed = Stream.load(torn, qa)
     assert (resumed.frames, resumed.frames_lost) == (7, 2)
+    resumed.close()
+
+
+@pytest.fixture(scope="module")
+def short_range(tmp_path_factory):
+    """A tiny checkpoint trained on 512 positions: a ``handover`` stream of 20 frames keeps a successor beside it."""
+    return make_tiny_checkpoint("internvl", tmp_path_factory.mktemp("short") / "ckpt",
+                                vision_config={"image_size": 112},
+                                text_config={"max_position_embeddings": 512,
+                                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+def test_a_handover_stream_closed_before_a_power_cut_keeps_its_successor(short_range, tmp_path, monkeypatch):
+    """Before: its backlog (the steps' embeddings its successor replays) was forced only by a save or a sync, not
+    by a checkpoint or a close, so a power cut after a close left it empty and the resumed stream dropped its
+    successor ("alone: its backlog (backlog.bin) does not hold step 0's embeddings as journaled")."""
+    device = Device(monkeypatch)
+    qa = statekv.VideoQA.from_pretrained(short_range, reserve_tokens=24, budget=24, bounded_layout="handover",
+                                         attention="eager", offload="disk", offload_dir=str(tmp_path / "disk"))
+    stream = qa.stream()
+    for frame in random_frames(20, seed=3, height=32, width=32):
+        stream.push(frame)
+    assert stream.handover == "beside"
+    folder = stream.folder
+    stream.close()
+    resumed = Stream.load(device.power_cut(folder, tmp_path / "cut"), qa)
+    assert (resumed.frames, resumed.frames_lost, resumed.handover) == (20, 0, "beside")
     resumed.close()

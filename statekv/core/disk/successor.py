@@ -31,6 +31,7 @@ import torch
 
 from ...errors import InputError, OutputError
 from ...flushing import flush_folder
+from ...weak import weakly
 from .buffers import pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
@@ -53,6 +54,9 @@ class BacklogFile:
         self.tier, self.end = tier, end
         self._fd = -1
         self._files: list[int] = closed_with(self, [])  # the file, while open
+        # on the device before a checkpoint vouching for the steps whose records name it: a power loss otherwise
+        # left their embeddings lost and the successor dropped, even after a close
+        tier.forced = weakly(self, lambda backlog: backlog.sync())
 
     def write(self, inputs_embeds: torch.Tensor) -> list[int]:
         """Write one step's embeddings ``[1, T, D]`` at ``end``; returns the record that vouches for them,

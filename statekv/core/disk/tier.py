@@ -130,6 +130,9 @@ class DiskTier:
         # which a resumed file set counts lost) and what the stream keeps beside the file set (its watches)
         self.waiting: Callable[[], list[dict[str, Any]]] = list
         self.after_checkpoint: Callable[[], None] = lambda: None  # told once they are journaled with it
+        # forces to the device what else the steps' records vouch for beside the file set's own files (a handover
+        # stream's backlog, `statekv.core.disk.successor.BacklogFile`), with them before each checkpoint's record
+        self.forced: Callable[[], None] = lambda: None
         self._slots: list[int] = []
         self.checkpoint_steps = CHECKPOINT_STEPS
         self.checkpoints = 0  # written so far (the next goes to slot checkpoints % 2)
@@ -473,8 +476,10 @@ class DiskTier:
         self._force(*self._slots, self._journal)
 
     def _force(self, *fds: int, layers: bool = True, folder: bool = False) -> None:
-        """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`)
-        or the folder's names (``folder``), to the storage device; an `OutputError` when the device fails it."""
+        """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`,
+        and `forced`) or the folder's names (``folder``), to the storage device; an `OutputError` when the device fails it."""
+        if layers:
+            self.forced()
         try:
             for layer in range(len(self.buffers) if layers else 0):
                 for _, buffer in self.layer_files(layer):
