@@ -4,11 +4,12 @@ line while it goes; the table, the JSON and the plot of a sweep.
 A camera is **held at real time** when every one of its requests succeeded, its frames were streamed within
 ``lag_target`` seconds of being due at p95, and it caught up in the run's last quarter (`caught_up`): a camera the
 server cannot keep up with falls further behind with every frame, so its lag grows without bound, and one served a
-little slower than real time stays under any lag target for a run short enough. **Goodput** counts the cameras held at real time whose questions'
-p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests meeting every latency target; here
-the unit a buyer counts is the camera). Percentiles interpolate linearly (numpy's default, as vLLM reports them).
-A frame still out (or not yet sent) when the drain ends counts in the lag with the lag it had then, a lower bound:
-those are a slow server's latest frames, and leaving them out would report it behind by less than it is.
+little slower than real time stays under any lag target for a run short enough. **Goodput** counts the cameras
+held at real time whose questions' p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests
+meeting every latency target; here the unit a buyer counts is the camera). Percentiles interpolate linearly
+(numpy's default, as vLLM reports them). A frame still out (or not yet sent) when the drain ends counts in the lag
+with the lag it had then, a lower bound: those are a slow server's latest frames, and leaving them out would report
+it behind by less than it is.
 **Failures** count the requests sent that failed and the streams that could not be made; requests never sent
 (their stream not made, or their camera still behind at the drain's end) are ``unsent``.
 """

@@ -477,7 +477,8 @@ class DiskTier:
 
     def _force(self, *fds: int, layers: bool = True, folder: bool = False) -> None:
         """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`,
-        and `forced`) or the folder's names (``folder``), to the storage device; an `OutputError` when the device fails it."""
+        and `forced`) or the folder's names (``folder``), to the storage device; an `OutputError` when the device
+        fails it."""
         if layers:
             self.forced()
         try:
