@@ -515,7 +515,7 @@ def resume_stream(cls: type, folder: Path, qa: Any, allow_other_weights: bool, *
         if stream.max_fps is not None:
             stream.next_tick = tick(stream.last_timestamp, stream.max_fps) + 1
     reopen_watches(stream, folder, journal.after)
-    stream.frames_lost, durable = frames_lost(journal.after, stream.pushed), stream.pushed
+    stream.frames_lost, durable = frames_lost(journal.after, stream.pushed, journal.frames_beyond), stream.pushed
     clock = next((record[CLOCK] for record in reversed(journal.after) if CLOCK in record), None)
     if (isinstance(clock, list) and len(clock) == 2 and type(clock[0]) is int and clock[0] >= stream.pushed
             and type(clock[1]) in (int, float) and clock[1] >= (stream.last_timestamp or 0.0)):

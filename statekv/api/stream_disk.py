@@ -75,12 +75,12 @@ def read_stream_setup(folder: str | Path) -> dict[str, Any]:
     return setup
 
 
-def frames_lost(records: list[dict[str, Any]], pushed: int) -> int:
+def frames_lost(records: list[dict[str, Any]], pushed: int, streamed: int = 0) -> int:
     """Frames pushed at or after index ``pushed`` according to the journal's ``push`` records: kept but not
     streamed when the process stopped (a frame journaled twice, as after a push that failed and was retried,
-    counts once)."""
-    return len({record["push"] for record in records
-                if isinstance(record.get("push"), int) and record["push"] >= pushed})
+    counts once); and those below ``streamed``, streamed by steps whose records a power loss left after a gap."""
+    kept = {record["push"] for record in records if isinstance(record.get("push"), int) and record["push"] >= pushed}
+    return max(0, streamed - pushed) + sum(index >= streamed for index in kept)
 
 
 def write_waiting(folder: Path, frames: list[Frame]) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class Journaled:
     # checkpoint (`statekv.core.disk.power_loss`)
     unsynced: str = ""
     steps_after: int = 0
+    frames_beyond: int = 0  # the frames streamed by the last step whose record reads after such a loss's gap
 
 
 # -- one owner, and descriptions that vouch for themselves -----------------------------------------------------
@@ -161,6 +162,7 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
         refuse_out_of_files(error, folder)
         raise InputError(f"{folder}: the disk cache has no journal") from None
     records, offset, unsynced = [], 0, ""  # records: (end offset, record) of everything but steps
+    beyond: list[dict[str, Any]] = []  # what reads after a gap a power loss left (counted lost, never resumed)
     held: list[dict[str, Any]] = []  # the steps' records, in order
     compacted: list[dict[str, Any]] = []  # the compacted records, checked
     lines = data.split(b"\n")
@@ -183,6 +185,7 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
             if not latest and (b"\0" in line or not tail) and not any(checkpointed(_record(rest))
                                                                       for rest in lines[number + 1:]):
                 unsynced = f"its journal does not read from line {number + 1} on"
+                beyond = [r for r in map(_record, lines[number + 1:]) if r is not None]
                 break
             if tail:
                 break
@@ -237,7 +240,8 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
     if checkpoint is None:
         return journal if not count else _no_checkpoint(folder)
     journal.carry = records[checkpoint][1]
-    journal.unsynced, journal.steps_after = unsynced, count - upto
+    steps_beyond = [r["step"] for r in beyond if type(r.get("step")) is int]
+    journal.unsynced, journal.steps_after = unsynced, max(count, max(steps_beyond, default=-1) + 1) - upto
     journal.end = records[checkpoint + _followers(journal.carry)][0]  # cut before them, it would read as torn
     for index, (_, record) in enumerate(records):
         if "evict" in record:
@@ -248,6 +252,10 @@ def read_file_set(folder: str | os.PathLike, *, latest: bool = False, format_2: 
                 journal.later_evictions.extend(evicted)
         elif index > checkpoint and "step" not in record and "carry" not in record and COMPACTED not in record:
             journal.after.append(record)
+    journal.after += [record for record in beyond if "push" in record]  # lost frames, counted (`frames_lost`)
+    journal.frames_beyond = max((r["state"]["frames"] for r in beyond if "step" in r
+                                 and isinstance(r.get("state"), dict) and type(r["state"].get("frames")) is int),
+                                default=0)
     return journal
 
 
