@@ -10,6 +10,9 @@ A run directory holds one evaluation (one benchmark, model, method and budget)::
 Each line is written whole, flushed and fsynced before ``write`` returns. A line counts only
 once its newline is on disk: an unterminated last line (the process was killed mid-write) is
 ignored when reading and cut off before appending, so a resumed run re-answers that question.
+So are last lines holding a NUL byte, which no record holds: a power loss keeps a write not yet
+on the device in any order between its pages, so it can leave the end of the file zero-filled,
+its newline kept or not (`durable_end`).
 """
 
 from __future__ import annotations
@@ -205,17 +208,35 @@ class ResultsWriter:
 
 
 def drop_unterminated_tail(path: Path,
-                           what: str = "an answer cut short by a stop; its question is asked again") -> None:
-    """Cut a partial last line (left by a killed writer) so appends start on a fresh line; ``what``: what the
-    warning says the line was."""
+                           what: str = "an answer cut short by a stop; its question is asked again",
+                           lost: str = "an answer not yet on the disk; its question is asked again") -> None:
+    """Cut a partial last line (left by a killed writer) or a zero-filled end (left by a power loss,
+    `durable_end`) so appends start on a fresh line; ``what`` and ``lost``: what the warning says each was."""
     if not path.is_file():
         return
     data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
+    keep = durable_end(data)
     if keep < len(data):
-        logger.warning("%s: dropping an unterminated last line (%d bytes), %s", path, len(data) - keep, what)
+        if b"\0" in data[keep:]:
+            logger.warning("%s: dropping an end a power loss zero-filled (%d bytes), %s", path, len(data) - keep, lost)
+        else:
+            logger.warning("%s: dropping an unterminated last line (%d bytes), %s", path, len(data) - keep, what)
         with path.open("rb+") as file:
             file.truncate(keep)
+
+
+def durable_end(data: bytes) -> int:
+    """Where the lines of ``data`` (JSON Lines, appended) that were written whole end: before an unterminated last
+    line (a kill cut its write) and before last lines holding a NUL byte (a power loss zero-filled pages of a write
+    not yet on the device, its newline kept or not: JSON text never holds one). A NUL byte before a whole line
+    is damage, left for the reader to refuse."""
+    end = data.rfind(b"\n") + 1
+    while end:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        if b"\0" not in data[start:end]:
+            break
+        end = start
+    return end
 
 
 def drop_unterminated_tails(run_dir: Path) -> None:
@@ -225,16 +246,16 @@ def drop_unterminated_tails(run_dir: Path) -> None:
 
 
 def read_records(path: Path | str) -> list[AnswerRecord]:
-    """Records of one results file, in file order; an unterminated last line is dropped."""
+    """Records of one results file, in file order; an unterminated or zero-filled end is dropped (`durable_end`)."""
     path = Path(path)
     if path.is_dir():
         raise ResultsFileError(f"{path} is a folder, not a file of answer records: move it out of the run folder")
     data = path.read_bytes()
-    # an unterminated last line is a write under way, or a killed writer's (the run that goes on cuts it, and says
-    # so): ignored undecoded, as a kill may have cut it inside a character
-    complete = data[: data.rfind(b"\n") + 1]
+    # an unterminated last line is a write under way, or a killed writer's, and a zero-filled end a power loss's
+    # (the run that goes on cuts it, and says so): ignored undecoded, as a kill may have cut it inside a character
+    complete = data[: durable_end(data)]
     if len(complete) < len(data):
-        logger.debug("%s: ignoring an unterminated last line", path)
+        logger.debug("%s: ignoring an unterminated or zero-filled end", path)
     try:
         text = complete.decode("utf-8")
     except UnicodeDecodeError as error:

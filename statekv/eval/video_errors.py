@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
-from statekv.eval.records import completed_qids, drop_unterminated_tail
+from statekv.eval.records import completed_qids, drop_unterminated_tail, durable_end
 from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
 
@@ -27,7 +27,8 @@ def log_video_error(out: Path, rank: int, video: VideoQuestions, error: Exceptio
                  "its questions" if not answered else f"{left} of its {len(video.questions)} questions")
     entry = {"video_id": video.video_id, "qids": [q.qid for q in video.questions], "error": str(error)}
     path = out / f"errors.rank{rank:03d}.jsonl"
-    drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop")
+    drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop",
+                           "the note of a video that could not be read, not yet on the disk")
     with path.open("a", encoding="utf-8") as file:
         file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         file.flush()
@@ -49,9 +50,10 @@ def unresolved_errors(run_dir: Path, asked: Sequence[str] | None = None) -> list
 
 
 def _error_entries(path: Path) -> list[dict[str, Any]]:
-    """The entries of an error log; an unterminated last line (a killed writer) is ignored, any other damaged
-    line is a one-line `DataError` naming the file and the line."""
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    """The entries of an error log; an unterminated last line (a killed writer) or a zero-filled end (a power
+    loss: `durable_end`) is ignored, any other damaged line is a one-line `DataError` naming the file and the line."""
+    data = path.read_bytes()
+    text = data[:durable_end(data)].decode("utf-8", errors="replace")
     lines = text.split("\n")
     entries = []
     for number, line in enumerate(lines[:-1], start=1):
