@@ -34,9 +34,9 @@ range: frames far apart in long streams, named by their second, packed or spread
 The run directory holds ``log.jsonl`` (one line per ``log_every`` steps, and one for the steps since the last at a
 stop or ``stop_after``: loss, answer accuracy per family, learning rate, time), ``checkpoint.pt`` (model,
 optimiser and step; written atomically every ``checkpoint_every`` steps, and when a stop (Ctrl-C, SIGTERM,
-SIGHUP) ends the run; the one before it is kept as ``checkpoint.previous.pt``, so a damaged latest checkpoint
-resumes from the one before) and, at the end,
-``model/``: the checkpoint folder (``save_pretrained``).
+SIGHUP) ends the run, each forced to the device with the log lines of its steps, so a power loss keeps them; the
+one before it is kept as ``checkpoint.previous.pt``, so a damaged latest checkpoint resumes from the one before)
+and, at the end, ``model/``: the checkpoint folder (``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from torch.nn import functional as F
 from ..errors import ConfigurationError, DataError, OutputError
 from ..locks import FileLock
 from ..console import one_line
-from ..flushing import flush_file, write_whole
+from ..flushing import flush_file, flush_folder, write_whole
 from ..models import InternVLAdapter
 from ..settings.values import is_finite_number
 from ..stopping import note_kept, stop_point, whole
@@ -343,13 +343,16 @@ def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
 def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds: float,
                 marks: dict[str, Any]) -> None:
     """Write ``checkpoint.pt`` atomically, keeping the one it replaces as ``checkpoint.previous.pt``. Written whole
-    first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it. ``marks``:
-    how the run was made that its recipe does not say (``threads``, ``init``: `run_field`)."""
+    first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it. The log
+    lines of its steps are forced to the device before it, so a power loss cannot keep a checkpoint past them.
+    ``marks``: how the run was made that its recipe does not say (``threads``, ``init``: `run_field`)."""
     temporary = out / UNFINISHED_STATE_FILE
     try:
         torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), **marks}, temporary)
         flush_file(temporary)
+        if (out / LOG_FILE).is_file():
+            flush_file(out / LOG_FILE)
     except (OSError, RuntimeError) as error:
         temporary.unlink(missing_ok=True)
         raise OutputError(f"cannot write the training checkpoint {out / STATE_FILE} ({write_failure(error)}); "
@@ -358,10 +361,12 @@ def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds:
 
 
 def _commit_state(out: Path) -> None:
-    """Make the checkpoint written whole (`UNFINISHED_STATE_FILE`) the run's, the one it replaces the previous."""
+    """Make the checkpoint written whole (`UNFINISHED_STATE_FILE`) the run's, the one it replaces the previous; the
+    renames forced to the device (a power loss then cannot take the checkpoint back)."""
     if (out / STATE_FILE).is_file():
         os.replace(out / STATE_FILE, out / PREVIOUS_STATE_FILE)
     os.replace(out / UNFINISHED_STATE_FILE, out / STATE_FILE)
+    flush_folder(out)
 
 
 def write_failure(error: BaseException) -> str:
