@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .flushing import flush_folder
+
 
 def variable_path(name: str) -> Path | None:
     """The absolute path the environment variable ``name`` gives (``~`` expanded); None when it is unset or empty.
@@ -102,6 +104,7 @@ def _make_secret(path: Path, error: type) -> bytes:
             os.link(partial, path)  # never over a secret another process made meanwhile
         except FileExistsError:
             return installation_secret(create=False)
+        flush_folder(path.parent)  # its name too: a power loss cannot take back a secret streams are owned under
     except OSError as failure:
         raise error(f"cannot make statekv's installation secret {path}: {failure.strerror or failure}; set "
                     "STATEKV_CACHE to a folder this user can write") from None

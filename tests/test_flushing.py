@@ -72,3 +72,14 @@ def test_a_run_summary_is_written_whole(tmp_path, monkeypatch):
         write_summary(tmp_path, [record, _record("q2")])
     assert (tmp_path / "results.json").read_bytes() == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_a_new_installation_secret_is_flushed_then_its_name(tmp_path, monkeypatch):
+    """Before: its name was never forced to the device, so a power loss could take back a secret streams were
+    already owned under, and the next start made another."""
+    from statekv.user_cache import installation_secret
+
+    monkeypatch.setenv("STATEKV_SECRET_FILE", str(tmp_path / "installation.secret"))
+    flushes = _flushes(monkeypatch)
+    secret = installation_secret(create=True)
+    assert flushes == ["file", "folder"] and installation_secret(create=False) == secret
