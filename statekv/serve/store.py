@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, InputError, StateKVError
-from ..flushing import flush_folder, write_whole
+from ..flushing import flush_file, flush_folder, write_whole
 from ..locks import FileLock
 from ..settings.values import is_finite_number, is_stream_rate, printable, too_long
 
@@ -80,6 +80,20 @@ def _removed_unheld(folder: Path) -> str | None:
     finally:
         lock.release()
     return None
+
+
+def _copied_forced(source: str, target: str) -> str:
+    """``shutil.copy2`` of ``source`` to ``target``, then ``target`` forced to the device."""
+    shutil.copy2(source, target)
+    try:
+        flush_file(target)
+    except PermissionError:  # a read-only file (its mode copied): Linux forces one opened for reading too
+        handle = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+    return target
 
 
 def remove_folder(folder: Path) -> None:
@@ -473,13 +487,17 @@ class StreamFiles:
                 raise
             partial = target.with_name(target.name + ".partial")  # never taken for a moved file set
             try:
-                shutil.copytree(folder, partial, symlinks=True)
-                flush_folder(partial)
+                shutil.copytree(folder, partial, symlinks=True, copy_function=_copied_forced)
+                for inner, _, _ in os.walk(partial):
+                    flush_folder(inner, strict=True)
                 os.rename(partial, target)
+                flush_folder(self.quarantine, strict=True)
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)  # the copy, not the original
                 raise
-            shutil.rmtree(folder, ignore_errors=True)  # the copy is whole: whatever is left of the original is spare
+            # the copy is whole and on the device (a power loss cannot leave it zero-filled with the original gone):
+            # whatever is left of the original is spare
+            shutil.rmtree(folder, ignore_errors=True)
         for parent in {self.quarantine, folder.parent}:
             flush_folder(parent)
         return f"{QUARANTINE}/{target.name}"
