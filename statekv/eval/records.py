@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
-from statekv.flushing import write_whole
+from statekv.flushing import flush_folder, write_whole
 from statekv.eval.parsing import DEFAULT_PARSER, check_parser, judge
 from statekv.eval.prompts import DEFAULT_PROTOCOL, check_protocol
 from statekv.eval.questions import Question
@@ -188,7 +188,10 @@ class ResultsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         drop_unterminated_tail(self.path)
+        made = not self.path.exists()
         self._file = self.path.open("a", encoding="utf-8")
+        if made:  # its name on the device too, before the answers it will vouch for
+            flush_folder(self.path.parent)
 
     def write(self, record: AnswerRecord) -> None:
         if not isinstance(record, AnswerRecord):
