@@ -148,7 +148,9 @@ def test_an_evicting_stream_in_blocks_keeps_bounded_files_and_answers_as_before(
     assert len(blocks.prefill.cache.evicted_steps) > 50 and widest <= block  # no file ever longer than a block
     layers = len(blocks.prefill.cache.layers)
     settled = 40 if policy == "recency" else 60  # what a layer carries of its evicted steps: in a few blocks
-    assert max(counts[n] for n in range(settled, 80)) <= counts[settled] + 2 * layers, counts
+    # rows evicted are given back at the next checkpoint (every 4 steps here): the count swings within a few of them
+    bound = max(counts[n] for n in range(settled, settled + 8)) + 2 * layers
+    assert max(counts[n] for n in range(settled, 80)) <= bound, counts
     with monkeypatch.context() as old:
         old.setattr(MappedTokenBuffer, "BLOCK_BYTES", None)
         _, single = _evicting(adapter, tmp_path / "single", policy)
@@ -169,7 +171,7 @@ def test_an_evicting_stream_in_blocks_keeps_bounded_files_and_answers_as_before(
         resumed.push(frame)
     assert resumed.prefill.cache.evicted_steps == blocks.prefill.cache.evicted_steps
     assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=4, retrieve=2), answer)
-    assert len(_files(resumed.prefill.disk.folder)) <= counts[settled] + 2 * layers
+    assert len(_files(resumed.prefill.disk.folder)) <= bound
     resumed.close()
 
 

@@ -227,3 +227,38 @@ def test_a_handover_stream_closed_before_a_power_cut_keeps_its_successor(short_r
     resumed = Stream.load(device.power_cut(folder, tmp_path / "cut"), qa)
     assert (resumed.frames, resumed.frames_lost, resumed.handover) == (20, 0, "beside")
     resumed.close()
+
+
+def test_rows_evicted_after_the_last_checkpoint_outlive_a_power_cut_that_loses_their_eviction(adapter, tmp_path,
+                                                                                              monkeypatch):
+    """A stream evicting under a cap, cut a few steps after its last checkpoint, each of which evicted: the layers'
+    files as they are (the file system commits holes and removed files on its own), the journal and the slots as
+    last forced. Before: the rows of those steps were given back at once, their ``evict`` records lost with the
+    journal's tail, so the checkpoint's steps failed their checksums and the folder was refused as damaged; now it
+    resumes at the checkpoint and goes on as a stream that pushed the same frames up to it."""
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 8)
+    device, frames = Device(monkeypatch), random_frames(40)
+    settings = dict(offload="disk", max_cache_bytes=120_000, cache_limit="evict-oldest")
+    qa = tiny_qa(adapter, offload_dir=tmp_path / "tier", **settings)
+    stream = qa.stream()
+    for frame in frames[:36]:
+        stream.push(frame)
+    folder = stream.prefill.disk.folder
+    layers = tuple(path.name for path in folder.glob("layer*.bin"))
+    resumed = Stream.load(device.power_cut(folder, tmp_path / "cut", whole=layers), qa)
+    count = resumed.frames
+    assert count < 36 and resumed.prefill.evicted_steps != stream.prefill.evicted_steps  # evicted after it
+    reference = tiny_qa(adapter, offload_dir=tmp_path / "reference", **settings).stream()
+    for frame in frames[:count]:
+        reference.push(frame)
+    assert resumed.prefill.evicted_steps == reference.prefill.evicted_steps
+    assert _same(_carried(resumed), _carried(reference))
+    for frame in frames[count:]:
+        resumed.push(frame)
+        reference.push(frame)
+    assert resumed.prefill.evicted_steps == reference.prefill.evicted_steps
+    assert _same(_carried(resumed), _carried(reference))
+    assert torch.equal(resumed.ask_tokens(QUESTION, max_new_tokens=6, retrieve=2),
+                       reference.ask_tokens(QUESTION, max_new_tokens=6, retrieve=2))
+    for opened in (resumed, reference, stream):
+        opened.close()

@@ -21,8 +21,10 @@ class MirroredTokenBuffer:
     `TokenBuffer` (views). Everything but writing, releasing and loading is the RAM half's."""
 
     def __init__(self, parts: int, prefix: Path, on_replace: Callable[[], None] | None = None,
-                 described: dict | None = None, evicts: bool = False):
-        self.mirror = MappedTokenBuffer(parts, None, prefix, described=described)
+                 described: dict | None = None, evicts: bool = False,
+                 mapped: type[MappedTokenBuffer] = MappedTokenBuffer):
+        """mapped: the files' buffer's class (a disk tier's gives rows back late, `statekv.core.disk.deferred`)."""
+        self.mirror = mapped(parts, None, prefix, described=described)
         self._ram_only = False  # while loading: the file has the rows already
         # never pinned: its rows are copied to the file synchronously anyway, and pinned rows a stream evicts could
         # not go back to the OS (nor would the slots ahead of its length go uncounted, `nbytes`)

@@ -125,7 +125,7 @@ def resume(tier: DiskTier, journal: Journaled, cache: Any, device: torch.device,
         tier.checkpoints = int(journal.carry["slot"]) + 1
         if not keep_after:
             tier.truncate_journal(journal.end)
-            if journal.later_evictions:  # their rows are punched: they stay evicted
+            if journal.later_evictions:  # their rows may be punched (forced since): they stay evicted
                 tier.append({"evict": sorted(set(journal.later_evictions))})
     whole = [record["step"] for record in steps.held() if "crc" in record and BACKLOG not in record]  # foldable
     tier.replayed = {record["step"] for record in steps.held() if BACKLOG in record}

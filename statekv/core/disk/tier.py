@@ -6,7 +6,8 @@ summaries (``layer{i}.step_means.0.{k}.bin``, ``layer{i}.step_samples.0.{k}.bin`
 (``layer{i}.segment_index.0.{k}.bin``), each a `MappedTokenBuffer`: rows of ``[B, H_kv, X]`` in token (step,
 segment) order, in files of a block of rows each (block ``k``; format 4: one file a part,
 ``layer{i}.detailed.0.bin``), appended, so nothing written is rewritten; a block's files are removed once every row
-of it was given back. The layer's storage is the usual offloaded (or quantized) one over these buffers (the
+of it was given back, holes punched over the rows given back, once the journal evicting them is forced to the device
+(`statekv.core.disk.deferred`). The layer's storage is the usual offloaded (or quantized) one over these buffers (the
 storages' ``make_buffer`` factory): a step stages its chunk on the model's device and its data is appended when it
 commits. Only the segment index (one row per `SEGMENT_STEPS` steps, what
 retrieval ranks segments by) is also kept in RAM (`MirroredTokenBuffer`); the step summaries are read from the
@@ -80,6 +81,7 @@ from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
 from .buffers import MIRRORED, MappedTokenBuffer, pwrite_all, rows_crc, rows_of
 from .compaction import BACKLOG, loaded_record
+from .deferred import DeferredTokenBuffer, give_back
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
 from .mirrored import MirroredTokenBuffer
@@ -146,7 +148,7 @@ class DiskTier:
         self.held_records = self.evicted_records = 0
         self.replayed: set[int] = set()  # steps whose records name their embeddings for a successor: kept whole
         self.appends = 0  # records appended and compactions (what a record's withdrawal checks nothing came after)
-        self.compact_failed = False  # said once in the log
+        self.compact_failed = self.give_back_failed = False  # said once in the log
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
         # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
         # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
@@ -204,8 +206,8 @@ class DiskTier:
         def make_buffer(name: str, parts: int, hint: int | None):
             prefix = self.folder / f"layer{index}.{name}"
             owned = {FILE_SET: self.file_set}
-            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned, evicts) if name in MIRRORED
-                             else MappedTokenBuffer(parts, hint, prefix, on_replace, owned))
+            buffers[name] = (MirroredTokenBuffer(parts, prefix, on_replace, owned, evicts, DeferredTokenBuffer)
+                             if name in MIRRORED else DeferredTokenBuffer(parts, hint, prefix, on_replace, owned))
             return buffers[name]
 
         storage = (QuantizedStorage(kv_cache_dtype, capacity_hint, "cpu", on_replace, make_buffer) if kv_cache_dtype
@@ -397,6 +399,7 @@ class DiskTier:
                      **({"tally": len(tally[0])} if tally else {}),
                      **({FOLLOWED_BY: len(followers)} if followers else {}), SYNCED: True}, *followers)
         self._force(self._journal, layers=False)
+        give_back(self)  # the rows evicted since the last time: their records are on the device now
         self.after_checkpoint()
         self.checkpoints += 1
         self.checkpointed = self.last_step
@@ -474,6 +477,7 @@ class DiskTier:
         storage device: a kill or a power loss after this loses nothing (an `OutputError` when the device fails it)."""
         self.checkpoint()
         self._force(*self._slots, self._journal)
+        give_back(self)
 
     def _force(self, *fds: int, layers: bool = True, folder: bool = False) -> None:
         """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`,
@@ -525,6 +529,7 @@ class DiskTier:
             try:
                 self.checkpoint()  # a closed stream resumes with nothing lost, even after a power loss
                 self._force(self._journal)  # the records its close appended after the checkpoint
+                give_back(self)
             except OutputError as error:
                 if keep_lock and not self.lost:
                     raise
