@@ -77,7 +77,7 @@ def give_back(tier: Any) -> None:
         for layer in range(len(tier.buffers)):
             for _, buffer in tier.layer_files(layer):
                 buffer.give_back()
-    except OutputError as error:
+    except (OutputError, OSError) as error:  # never undoing the checkpoint whose force came before
         if not tier.give_back_failed:
             tier.give_back_failed = True
             log.warning("%s; the rows this stream evicted stay in its files until it can", error)

@@ -27,7 +27,8 @@ from ..storage.memory import available_bytes
 from .compaction import (BACKLOG, COMPACTED, JournalSteps, compacted_record, joined_record, last_step,
                          merged_record, record_pieces)
 from .open_files import refuse_out_of_files
-from .power_loss import checkpointed, slot_matches, synced
+from .power_loss import checkpointed, synced
+from .slots import slot_matches
 
 FORMAT = "statekv-disk-cache"
 # 5: its layers' files in blocks (`statekv.core.disk.buffers`); 4: one file a part, a row for every token ever

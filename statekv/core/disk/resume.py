@@ -15,7 +15,7 @@ from ..cache import persistence
 from .buffers import PER_SEGMENT, PER_STEP, MappedTokenBuffer, rows_crc, rows_of
 from .compaction import BACKLOG, JournalSteps
 from .files import Journaled, check_file_set, read_checked
-from .power_loss import carried_layout, layout_bytes
+from .slots import carried_layout, layout_bytes
 from .tier import DiskTier
 
 SUMMARIES = ("step_means", "step_samples")  # the step summaries' buffers

@@ -118,7 +118,8 @@ def read_backlog(folder: Path, records: list[dict[str, Any]], step_bytes: int) -
     entries = [record.get(BACKLOG) for record in records]
     missing = next((index for index, entry in enumerate(entries) if not _entry(entry)), None)
     if missing is not None:
-        return f"its step {missing} was journaled without its embeddings (its successor was dropped or not made then, or the stream was loaded from a saved file since)"
+        return (f"its step {missing} was journaled without its embeddings (its successor was dropped or not made "
+                "then, or the stream was loaded from a saved file since)")
     try:
         with open(folder / BACKLOG_FILE, "rb") as file:
             for index, ((offset, length, crc), record) in enumerate(zip(entries, records)):

@@ -87,6 +87,7 @@ from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANI
 from .mirrored import MirroredTokenBuffer
 from .open_files import close_all, closed_with, raise_open_files_limit, reason
 from .power_loss import SYNCED
+from .slots import carried_parts, slot_bytes, tally_parts
 
 log = logging.getLogger("statekv")
 
@@ -356,7 +357,7 @@ class DiskTier:
     def remember(self, layers: list[Any]) -> None:
         """Keep a copy of the carried state the last step journaled left (`remembered`: per layer what a
         checkpoint writes), so a step the disk cannot take is undone exactly without a checkpoint per step."""
-        self.remembered = [tuple(None if t is None else t.clone() for t in _carried_parts(layer)) for layer in layers]
+        self.remembered = [tuple(None if t is None else t.clone() for t in carried_parts(layer)) for layer in layers]
 
     def adopt(self, cache: Any, last_step: int) -> None:
         """``cache`` as resumed or restored at ``last_step`` (what the next step and checkpoint follow)."""
@@ -371,10 +372,9 @@ class DiskTier:
         if self.last_step is None or self.checkpointed == self.last_step:
             return
         self.check_owner()
-        carried = [_carried_parts(layer) for layer in self._cache.layers]
-        tally = _tally(self._cache)
-        data = b"".join(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                        for t in [*(t for parts in carried for t in parts), *tally] if t is not None)
+        carried = [carried_parts(layer) for layer in self._cache.layers]
+        tally = tally_parts(self._cache)
+        data = slot_bytes(carried, tally)
         slot, made = self.checkpoints % 2, not self._slots
         if made:  # kept open and overwritten in place (a record names the bytes it vouches for)
             try:
@@ -587,16 +587,3 @@ def _held_starts(held: list[tuple[int, int]], lengths: Any):
         for step in range(first, end):
             yield step, start
             start += lengths[step]
-
-
-def _carried_parts(layer: Any) -> tuple[torch.Tensor | None, ...]:
-    """What a checkpoint writes of a layer: its carried positions, keys, values, placements (None unless bounded)
-    and open segment (None before the first step)."""
-    placements = layer.slots.head_placements() if layer.slots is not None else None
-    return (layer.positions(), *layer.carried(), placements, layer.storage.saved_segment())
-
-
-def _tally(cache: Any) -> tuple[torch.Tensor, ...]:
-    """What a checkpoint writes after the layers' carried state: under evict-least-attended the steps ``[L]``
-    (int64) it may still evict with a total, and their totals ``[L]`` (float64); else nothing."""
-    return () if cache.tally is None else cache.tally.export(cache.evicted_steps)
