@@ -491,8 +491,9 @@ class DiskTier:
                     buffer.sync()
             for fd in fds:
                 os.fsync(fd)
-            if folder:
+            if folder:  # its files' names, and its own in the offload folder
                 flush_folder(self.folder, strict=True)
+                flush_folder(self.folder.parent)
         except OSError as error:
             raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
 
