@@ -203,3 +203,19 @@ def small_blocks(monkeypatch):
 
     monkeypatch.setattr(buffers, "BLOCK_ALIGN", mmap.PAGESIZE)
     monkeypatch.setattr(buffers.MappedTokenBuffer, "BLOCK_BYTES", 1)
+
+
+@pytest.fixture
+def forced_folders(monkeypatch) -> list[str]:
+    """The folders forced to the device (an ``os.fsync`` of a folder) from now on, in order."""
+    import stat
+
+    forced, fsync = [], os.fsync
+
+    def recording(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            forced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    return forced

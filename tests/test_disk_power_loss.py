@@ -264,18 +264,10 @@ def test_rows_evicted_after_the_last_checkpoint_outlive_a_power_cut_that_loses_t
         opened.close()
 
 
-def test_a_new_streams_folder_is_named_on_the_device_by_its_first_checkpoint(adapter, tmp_path, monkeypatch):
+def test_a_new_streams_folder_is_named_on_the_device_by_its_first_checkpoint(adapter, tmp_path, forced_folders):
     """Before: the stream's folder was flushed, the offload folder holding its name never, so a power loss could
     take back the whole file set of a stream its first checkpoint called durable."""
-    forced, fsync = [], os.fsync
-
-    def recording(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            forced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
     stream = tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier").stream(horizon_frames=4)
     stream.push(random_frames(1)[0])
-    assert str(tmp_path / "tier") in forced and str(stream.prefill.disk.folder) in forced
+    assert str(tmp_path / "tier") in forced_folders and str(stream.prefill.disk.folder) in forced_folders
     stream.close()

@@ -91,26 +91,15 @@ def test_a_note_of_an_unreadable_video_a_power_loss_zero_filled_is_ignored(finis
     assert _scores(out) == _scores(finished[1])
 
 
-def test_a_new_answers_file_has_its_name_forced_to_the_device_before_its_first_answer(tmp_path, monkeypatch):
+def test_a_new_answers_file_has_its_name_forced_to_the_device_before_its_first_answer(tmp_path, forced_folders):
     """Before: each answer was forced, the file's name in the run folder never, so a power loss could take the
     whole file back with answers the run had counted durable."""
-    import os
-    import stat
-
     from statekv.eval.records import ResultsWriter
 
-    forced, fsync = [], os.fsync
-
-    def recording(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            forced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
     (tmp_path / "run").mkdir()
     with ResultsWriter(tmp_path / "run" / RANK_FILE):
         pass
-    assert forced == [str(tmp_path / "run")]
+    assert forced_folders == [str(tmp_path / "run")]
     with ResultsWriter(tmp_path / "run" / RANK_FILE):  # there already: nothing new to name
         pass
-    assert forced == [str(tmp_path / "run")]
+    assert forced_folders == [str(tmp_path / "run")]
