@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import statekv
+from conftest import random_frames
 from statekv.models import load_adapter
 
 
@@ -165,3 +166,16 @@ def test_a_pil_image_whose_file_was_closed_is_refused_in_one_line_pushed_or_enco
         assert stream.pushed == 0
     with pytest.raises(statekv.StateKVError, match=message):
         qa.encode([_image_of_a_closed_file()])
+
+
+@pytest.mark.parametrize("misspelt, meant", [("retreive", "retrieve"), ("retrival", "retrieval"),
+                                             ("max_new_token", "max_new_tokens"), ("temprature", "temperature")])
+def test_a_misspelt_ask_argument_is_refused_naming_the_one_meant(adapter, misspelt, meant):
+    stream = statekv.VideoQA(adapter, statekv.StateKV(budget=8), reserve_tokens=40).stream(4)
+    stream.push(random_frames(1)[0])
+    with pytest.raises(statekv.InputError, match=f"'{misspelt}'; did you mean {meant}\\?") as info:
+        stream.ask("Why?", **{misspelt: 2})
+    assert "\n" not in str(info.value)
+    with pytest.raises(statekv.InputError, match="unknown generation argument 'zzz' \\(see") as info:
+        stream.ask("Why?", zzz=2)  # nothing close: no guess
+    stream.close()

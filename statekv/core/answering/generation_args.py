@@ -7,6 +7,7 @@ silently ignored); here each is refused with one line naming it.
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,9 @@ GENERATE_ARGUMENTS = frozenset({"generation_config", "logits_processor", "stoppi
                                 "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
                                 "negative_prompt_attention_mask", "use_model_defaults", "custom_generate",
                                 "tokenizer", "assistant_tokenizer"})
+
+
+ASK_ARGUMENTS = ("max_new_tokens", "retrieve", "retrieval")  # ask's own keywords, suggested for a misspelt one
 
 
 def _positive_number(value: Any) -> bool:
@@ -71,7 +75,16 @@ def check_generation_arguments(arguments: Mapping[str, Any], generation_config: 
             if not test(value):
                 raise InputError(f"ask(): {name} must be {expected}, got {value!r}"[:200])
         elif not hasattr(known, name) and name not in GENERATE_ARGUMENTS:
-            raise InputError(f"ask(): unknown generation argument {name!r} (see transformers' GenerationConfig)")
+            raise InputError(f"ask(): unknown generation argument {name!r}{_suggestion(name, known)} "
+                             "(see transformers' GenerationConfig)")
+
+
+def _suggestion(name: str, known: Any) -> str:
+    """'; did you mean X?' for the closest of ask's own keywords and the generation settings, else ''."""
+    candidates = [*ASK_ARGUMENTS, *RULES, *GENERATE_ARGUMENTS,
+                  *(key for key in vars(known) if not key.startswith("_"))]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def answer_length(arguments: Mapping[str, Any], prompt_tokens: int, generation_config: Any = None) -> int:
