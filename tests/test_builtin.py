@@ -59,8 +59,10 @@ def test_the_built_in_model_carries_its_own_budget_unless_one_is_given(qa):
 
 
 def test_a_misspelt_option_is_refused_naming_the_options_only(qa):
-    """The known options listed are ModelOptions' fields, never its class variables (SETTINGS, ENGINE)."""
-    with pytest.raises(ConfigurationError, match="unknown option 'bugdet': not a statekv option") as refused:
+    """The known options listed are ModelOptions' fields, never its class variables (SETTINGS, ENGINE); the
+    closest is named (before: listed among 26, unnamed)."""
+    with pytest.raises(ConfigurationError, match="unknown option 'bugdet': did you mean budget[?] not a statekv "
+                       "option") as refused:
         statekv.VideoQA.from_pretrained("builtin", bugdet=3)
     with pytest.raises(ConfigurationError, match="unknown option 'SETTINGS' for with_options") as changed:
         qa.with_options(SETTINGS=())

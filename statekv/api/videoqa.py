@@ -13,6 +13,7 @@ not grow with the video's length beyond the detailed cache that answers are deco
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -149,8 +150,10 @@ class VideoQA:
             refused = [name for name in model_kwargs if f"'{name}'" in str(error)]
             if not refused or "unexpected keyword argument" not in str(error):
                 raise
-            raise ConfigurationError(f"unknown option {refused[0]!r}: not a statekv option "
-                                     f"({', '.join(OPTION_NAMES)}), and the model's "
+            close = difflib.get_close_matches(refused[0], OPTION_NAMES, n=1, cutoff=0.8)
+            raise ConfigurationError(f"unknown option {refused[0]!r}: "
+                                     + (f"did you mean {close[0]}? " if close else "")
+                                     + f"not a statekv option ({', '.join(OPTION_NAMES)}), and the model's "
                                      "from_pretrained does not take it") from None
         return cls.with_adapter(adapter, options)
 
