@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import shutil
 import stat
 import zlib
@@ -271,3 +272,33 @@ def test_a_new_streams_folder_is_named_on_the_device_by_its_first_checkpoint(ada
     stream.push(random_frames(1)[0])
     assert str(tmp_path / "tier") in forced_folders and str(stream.prefill.disk.folder) in forced_folders
     stream.close()
+
+
+def test_a_question_after_a_resume_reads_the_rows_it_holds_and_no_more(adapter, tmp_path, monkeypatch):
+    """A capped stream resumed gives every row it ever evicted back again, at its next checkpoint (its evictions are
+    journaled again, unforced): a question meanwhile reads the rows it holds alone. Before, every read zeroed the
+    rows waiting in what it mapped, a private page each: a question faulted in the stream's whole evicted history,
+    per layer (here some 2,000 pages, not 60); now as many pages as once they were given back."""
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 4)
+    qa = tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier", max_cache_bytes=120_000,
+                 cache_limit="evict-oldest")
+    stream = qa.stream()
+    for frame in random_frames(300):
+        stream.push(frame)
+    stream.close()
+    resumed = Stream.load(stream.prefill.disk.folder, qa)
+    answers = []
+
+    def faults() -> int:  # the fewest pages one of three questions faulted in
+        counts = []
+        for _ in range(3):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            answers.append(resumed.ask_tokens(QUESTION, max_new_tokens=2, retrieve=2))
+            counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return min(counts)
+
+    waiting = faults()
+    resumed.sync()  # its evictions forced: the rows given back
+    assert waiting <= faults() + 200
+    assert all(torch.equal(answer, answers[0]) for answer in answers)
+    resumed.close()

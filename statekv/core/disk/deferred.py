@@ -14,6 +14,7 @@ the device yet (those after the checkpoint are journaled again unforced; a kill 
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Any
 
@@ -47,17 +48,35 @@ class DeferredTokenBuffer(MappedTokenBuffer):
             super().release(start, end)
         self.waiting = ReleasedRuns()
 
-    def _mapped_blocks(self, first: int, last: int) -> list[torch.Tensor]:
-        """As `MappedTokenBuffer`'s, the rows waiting to be given back zeroed in the copy-on-write mapping (never
-        in the files): they read as zeros, as given back."""
-        tensors = super()._mapped_blocks(first, last)
-        low, high = (0, self.capacity) if self.block_rows is None else (first * self.block_rows,
-                                                                         last * self.block_rows)
-        for start, end in zip(self.waiting.starts, self.waiting.ends):
-            if max(start, low) < min(end, high):
-                for rows in tensors:
-                    rows[:, :, max(start, low) - low: min(end, high) - low] = 0
+    def view(self, start: int, end: int) -> tuple[torch.Tensor, ...]:
+        """As `MappedTokenBuffer.view`, the rows waiting to be given back zeroed in the copy-on-write mapping (never
+        in the files): they read as zeros, as given back. Only those of ``[start, end)``: a row zeroed there is a
+        private page allocated, and after a resume every row the stream ever evicted waits."""
+        tensors = super().view(start, end)
+        for low, high in self._waiting_within(start, end):
+            for rows in tensors:
+                rows[:, :, low - start: high - start] = 0
         return tensors
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """As `MappedTokenBuffer.gather` (``[B, H_kv, N, X]`` copies), the rows ``index`` (``[N]``) waiting to be
+        given back zeroed in the copies, never in the mapping (what a question reads costs its rows alone)."""
+        out = super().gather(index)
+        if self.waiting.rows and index.numel():
+            index = index.to("cpu")
+            starts, ends = torch.tensor(self.waiting.starts), torch.tensor(self.waiting.ends)
+            run = torch.searchsorted(starts, index, right=True) - 1
+            waiting = (run >= 0) & (index < ends[run.clamp(min=0)])
+            if bool(waiting.any()):
+                for rows in out:
+                    rows[:, :, waiting] = 0
+        return out
+
+    def _waiting_within(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs of rows waiting to be given back, cut to ``[start, end)``."""
+        starts, ends = self.waiting.starts, self.waiting.ends
+        at, stop = max(bisect.bisect_right(starts, start) - 1, 0), bisect.bisect_left(starts, end)
+        return [(max(a, start), min(b, end)) for a, b in zip(starts[at:stop], ends[at:stop]) if b > start]
 
     def open(self, *args: Any, **kwargs: Any) -> None:
         """As `MappedTokenBuffer.open`: what it releases from then on waits again (a reopened buffer is released
