@@ -92,11 +92,11 @@ def give_back(tier: Any) -> None:
     the tier's folder path no longer names the folder it locked (another stream's files may lie there)."""
     if not tier.owned:
         return
-    try:
-        for layer in range(len(tier.buffers)):
-            for _, buffer in tier.layer_files(layer):
+    for layer in range(len(tier.buffers)):
+        for _, buffer in tier.layer_files(layer):
+            try:  # each buffer alone: one file that keeps refusing holds back its own rows, not every buffer's
                 buffer.give_back()
-    except (OutputError, OSError) as error:  # never undoing the checkpoint whose force came before
-        if not tier.give_back_failed:
-            tier.give_back_failed = True
-            log.warning("%s; the rows this stream evicted stay in its files until it can", error)
+            except (OutputError, OSError) as error:  # never undoing the checkpoint whose force came before
+                if not tier.give_back_failed:
+                    tier.give_back_failed = True
+                    log.warning("%s; the rows this stream evicted stay in its files until it can", error)
