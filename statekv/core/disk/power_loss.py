@@ -20,6 +20,7 @@ from typing import Any
 
 SYNCED = "synced"  # a checkpoint's record: written once what it vouches for was forced to the device
 
+
 def checkpointed(record: dict[str, Any] | None) -> bool:
     """Whether ``record`` is a checkpoint's (marked `SYNCED` or not): every journal line before it was written
     before it, so one that does not read is damage, not a write a power loss took."""
