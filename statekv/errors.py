@@ -7,6 +7,7 @@ other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,19 @@ class CacheLimitError(StateKVError, ValueError):
     def __init__(self, message: str):
         super().__init__(message)
         self.encoded = None
+
+
+def os_reason(error: OSError) -> str:
+    """Why ``error`` happened, for a one-line message: its ``strerror``; for too many open files, the limit and how
+    to raise it."""
+    if error.errno == errno.EMFILE:
+        import resource  # POSIX only, as the limit it names
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        return (f"too many open files: this process may hold {soft} (a disk-tier stream holds a few a layer); "
+                f"raise the limit with `ulimit -n` before starting it (at most its hard limit, {shown}: "
+                "`ulimit -Hn`, raised by root, or LimitNOFILE= in a systemd unit)")
+    if error.errno == errno.ENFILE:
+        return "too many open files in the system: raise its limit (sysctl fs.file-max) or close other programs"
+    return error.strerror or str(error)

@@ -29,7 +29,7 @@ import socket
 import weakref
 from pathlib import Path
 
-from .errors import OutputError, StateKVError
+from .errors import OutputError, StateKVError, os_reason
 
 try:
     import fcntl
@@ -208,9 +208,7 @@ def _refusal(what: str, failure: OSError, error: type[StateKVError]) -> StateKVE
     the limit and ``ulimit -n``; a full disk), else ``error``."""
     if failure.errno not in OUT_OF_ROOM:
         return error(f"cannot lock {what}: {failure.strerror or failure}")
-    from .core.disk.open_files import reason  # the engine's package: loaded only when it is needed
-
-    return OutputError(f"cannot lock {what}: {reason(failure)}")
+    return OutputError(f"cannot lock {what}: {os_reason(failure)}")
 
 
 def _same_file(path: Path, fd: int) -> bool:

@@ -24,7 +24,6 @@ import torch
 from ..core.disk.compaction import JournalSteps
 from ..core.disk.files import (FILE_SET, check_file_set, check_plain_files, hold, read_checked, read_file_set,
                                read_manifest)
-from ..core.disk.open_files import reason
 from ..core.disk.successor import (BACKLOG, BACKLOG_FILE, HANDOVER_MARKER, BacklogFile, finish_handover,
                                    kept_record, kept_successor, mark_handover, read_backlog, remove_successors)
 from ..core.disk.resume import check_durable
@@ -33,7 +32,7 @@ from ..core.stream.prefill import cache_geometry
 from ..settings.engine import EngineSettings
 from ..settings.values import printable
 from .stats import EncodingStats
-from ..errors import HandoverError, InputError, OutputError
+from ..errors import HandoverError, InputError, OutputError, os_reason
 from ..models import LayoutState
 from .handover import StoredStep, resumed_disk_engine
 from .stream_disk import (CLOCK, SETUP, WAITING, WATCHES, WATCHES_FILES, frames_lost, kept_watches_files,
@@ -128,7 +127,7 @@ class Durability:
                 if path.name not in (name, named):
                     path.unlink()
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {printable(folder)}: {reason(error)}") from None
+            raise OutputError(f"cannot write the disk cache in {printable(folder)}: {os_reason(error)}") from None
         return [record] if records or named is not None else []
 
     def journal_watches(self) -> bool:
@@ -203,7 +202,7 @@ class Durability:
             if last_timestamp is not None:
                 self.tier.append({CLOCK: [pushed, last_timestamp]})
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {printable(folder)}: {reason(error)}") from None
+            raise OutputError(f"cannot write the disk cache in {printable(folder)}: {os_reason(error)}") from None
         if self.tier.checkpoints == taken:  # no checkpoint now: the last one's record of the watches is not this
             records = self.watches_records(folder)
             if records:

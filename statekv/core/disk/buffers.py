@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ...errors import InputError, OutputError
+from ...errors import InputError, OutputError, os_reason
 from ...flushing import flush_folder
 from ..storage.host_pages import ReleasedRuns, write_kept
 from .files import write_checked
 from .mapping import anonymous, mapped, punch_hole
-from .open_files import close_all, closed_with, reason
+from .open_files import close_all, closed_with
 
 BLOCK_ALIGN = 1 << 16  # a block file's bytes are a multiple of it: of any page size (4, 16 or 64 KiB) it is mapped at
 
@@ -211,7 +211,7 @@ class MappedTokenBuffer:
                 os.close(fd)
             self.row = None
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
-                              f"{reason(error)}") from None
+                              f"{os_reason(error)}") from None
         self.length, self.adopted = length, length > 0
         self.released, self.crc = ReleasedRuns(), 0
         self._unsynced, self._made_files = set(), False
@@ -324,7 +324,7 @@ class MappedTokenBuffer:
         except OSError as error:
             close_all(fds)
             raise OutputError(f"cannot write the disk cache in {self.paths[0].parent}: "
-                              f"{reason(error)}") from None
+                              f"{os_reason(error)}") from None
         self._fds.extend(fds)
         self._tail = block
         return self._fds
@@ -375,7 +375,7 @@ class MappedTokenBuffer:
                               "missing or shorter than the stream wrote it (the folder was moved, removed or "
                               "replaced)") from None
         except OSError as error:
-            raise OutputError(f"cannot map the disk cache in {where}: {reason(error)}") from None
+            raise OutputError(f"cannot map the disk cache in {where}: {os_reason(error)}") from None
 
     def _grow(self, capacity: int, needed: int) -> None:
         """Room for ``capacity`` rows. In blocks, the files of the block row ``needed - 1`` lies in are made and
@@ -395,7 +395,7 @@ class MappedTokenBuffer:
                         os.ftruncate(fd, rows * self.row_bytes)
             except OSError as error:
                 raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
-                                  f"{reason(error)}") from None
+                                  f"{os_reason(error)}") from None
             self._capacity = start + rows
             return
         taken, refused, size = self._capacity, None, capacity
@@ -407,7 +407,7 @@ class MappedTokenBuffer:
             except OSError as error:
                 if error.errno != errno.EFBIG:
                     raise OutputError(f"cannot grow the disk cache in {self.paths[0].parent}: "
-                                      f"{reason(error)}") from None
+                                      f"{os_reason(error)}") from None
                 if size <= needed:
                     raise OutputError(
                         f"cannot grow the disk cache in {self.paths[0].parent}: {self.paths[0].name} would pass the "
@@ -479,7 +479,7 @@ class MappedTokenBuffer:
         except BaseException as error:
             close_all([fd for fd in fds if fd >= 0])
             if isinstance(error, OSError):
-                raise OutputError(f"cannot read the disk cache in {self.prefix.parent}: {reason(error)}") from None
+                raise OutputError(f"cannot read the disk cache in {self.prefix.parent}: {os_reason(error)}") from None
             raise
         if self._reading is None:
             return fds, False
@@ -511,7 +511,7 @@ class MappedTokenBuffer:
                     continue
                 except OSError as error:
                     raise OutputError(f"cannot give rows of the disk cache in {self.prefix.parent} back: "
-                                      f"{reason(error)}") from None
+                                      f"{os_reason(error)}") from None
                 try:
                     if not punch_hole(fd, low - base, high - low):  # no hole punching: zeros
                         pwrite_all(fd, memoryview(bytes((last - first) * row)), first * row - base)
@@ -571,7 +571,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
             written = os.pwrite(fd, data, offset)
             data, offset = data[written:], offset + written
     except OSError as error:
-        raise OutputError(f"cannot write the disk cache: {reason(error)}") from None
+        raise OutputError(f"cannot write the disk cache: {os_reason(error)}") from None
 
 
 def rows_of(name: str, step: int, start: int, length: int, per_segment: int) -> tuple[int, int] | None:

@@ -1,7 +1,8 @@
 """How many files this process may hold open: a disk-tier stream holds a few a layer (`MappedTokenBuffer`: the files
 of the block it writes, or of the block a checksum pass reads), which for one stream of an 80-layer model passes the
 usual soft limit of 1,024. The soft limit is raised to the hard one when a disk tier opens
-(`raise_open_files_limit`, which `statekv serve` also calls at start); past the hard limit, `reason` names it."""
+(`raise_open_files_limit`, which `statekv serve` also calls at start); past the hard limit,
+`statekv.errors.os_reason` names it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import resource
 import weakref
 
-from ...errors import OutputError
+from ...errors import OutputError, os_reason
 
 MOST_OPEN_FILES = 1 << 20  # what the soft limit is raised to at most
 
@@ -28,31 +29,17 @@ def raise_open_files_limit() -> None:
         wanted = MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MOST_OPEN_FILES)
         if soft != resource.RLIM_INFINITY and soft < wanted:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    except (OSError, ValueError) as error:  # kept as it is: what does not fit then fails in one line (`reason`)
+    except (OSError, ValueError) as error:  # kept as it is: what does not fit then fails in one line (`os_reason`)
         if not _warned:
             _warned = True
             log.warning("cannot raise the limit on open files: %s", error)
-
-
-def reason(error: OSError) -> str:
-    """Why ``error`` happened, for a one-line message: its ``strerror``; for too many open files, the limit and how
-    to raise it."""
-    if error.errno == errno.EMFILE:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
-        return (f"too many open files: this process may hold {soft} (a disk-tier stream holds a few a layer); "
-                f"raise the limit with `ulimit -n` before starting it (at most its hard limit, {shown}: "
-                "`ulimit -Hn`, raised by root, or LimitNOFILE= in a systemd unit)")
-    if error.errno == errno.ENFILE:
-        return "too many open files in the system: raise its limit (sysctl fs.file-max) or close other programs"
-    return error.strerror or str(error)
 
 
 def refuse_out_of_files(error: OSError, folder: object) -> None:
     """A one-line `OutputError` naming the limit when ``error`` says this process (or the system) holds as many
     files open as it may: a file of ``folder`` that could not be opened then, not one that is damaged or missing."""
     if error.errno in (errno.EMFILE, errno.ENFILE):
-        raise OutputError(f"cannot read the disk cache in {folder}: {reason(error)}") from None
+        raise OutputError(f"cannot read the disk cache in {folder}: {os_reason(error)}") from None
 
 
 def close_all(fds: list[int]) -> None:

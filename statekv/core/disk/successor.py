@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from ...errors import InputError, OutputError
+from ...errors import InputError, OutputError, os_reason
 from ...flushing import flush_folder
 from ...weak import weakly
 from .buffers import pwrite_all
 from .compaction import BACKLOG
 from .files import FILE_SET, LOCK, MANIFEST, hold, read_checked, read_manifest, write_checked
-from .open_files import close_all, closed_with, reason
+from .open_files import close_all, closed_with
 from .tier import DiskTier
 
 log = logging.getLogger("statekv")
@@ -77,7 +77,7 @@ class BacklogFile:
         try:
             data = os.pread(self._fd, entry[1], entry[0])
         except OSError as error:
-            raise OutputError(f"cannot read the disk cache in {self.tier.folder}: {reason(error)}") from None
+            raise OutputError(f"cannot read the disk cache in {self.tier.folder}: {os_reason(error)}") from None
         if len(data) != entry[1] or zlib.crc32(data) != entry[2]:
             raise InputError(f"{self.tier.folder}: the disk cache is damaged: {BACKLOG_FILE} does not hold a step's "
                              "embeddings as journaled")
@@ -94,7 +94,7 @@ class BacklogFile:
                 os.fsync(self._fd)
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
-                                  f"{reason(error)}") from None
+                                  f"{os_reason(error)}") from None
 
     def _open(self) -> None:
         if self._fd < 0:
@@ -103,7 +103,7 @@ class BacklogFile:
                 self._files.append(self._fd)
             except OSError as error:
                 raise OutputError(f"cannot write the disk cache in {self.tier.folder}: "
-                                  f"{reason(error)}") from None
+                                  f"{os_reason(error)}") from None
 
     def close(self) -> None:
         close_all(self._files)
@@ -209,7 +209,7 @@ def mark_handover(folder: Path, successor: Path, file_set: str) -> None:
     except OSError as error:
         partial.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
-        raise OutputError(f"cannot write the disk cache in {folder}: {reason(error)}") from None
+        raise OutputError(f"cannot write the disk cache in {folder}: {os_reason(error)}") from None
 
 
 def finish_handover(folder: Path) -> bool:
@@ -246,7 +246,7 @@ def finish_handover(folder: Path) -> bool:
         flush_folder(folder, strict=True)
     except OSError as error:
         raise OutputError(f"cannot finish the handover of the disk cache in {folder}: "
-                          f"{reason(error)}") from None
+                          f"{os_reason(error)}") from None
     return True
 
 

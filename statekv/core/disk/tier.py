@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from ...errors import OutputError
+from ...errors import OutputError, os_reason
 from ...flushing import flush_folder
 from ...locks import FolderLock
 from ..storage.layer_storage import OffloadedStorage
@@ -85,7 +85,7 @@ from .deferred import DeferredTokenBuffer, give_back
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
 from .mirrored import MirroredTokenBuffer
-from .open_files import close_all, closed_with, raise_open_files_limit, reason
+from .open_files import close_all, closed_with, raise_open_files_limit
 from .power_loss import SYNCED
 from .slots import carried_parts, slot_bytes, tally_parts
 
@@ -123,7 +123,7 @@ class DiskTier:
         except OSError as error:
             if lock is None:
                 self.lock.release()
-            raise OutputError(f"cannot write the disk cache in {folder}: {reason(error)}; a stream on the "
+            raise OutputError(f"cannot write the disk cache in {folder}: {os_reason(error)}; a stream on the "
                               "disk tier writes into its folder as it goes on: copy the folder somewhere writable "
                               "to resume it there") from None
         self.storages: list[OffloadedStorage] = []
@@ -165,7 +165,7 @@ class DiskTier:
         try:
             folder.mkdir(parents=True)
         except OSError as error:
-            raise OutputError(f"cannot create the disk cache in {offload_dir}: {reason(error)}") from None
+            raise OutputError(f"cannot create the disk cache in {offload_dir}: {os_reason(error)}") from None
         try:
             lock = hold(folder, f"stream {str(name)[:80]!r}")
         except BaseException:
@@ -179,7 +179,7 @@ class DiskTier:
         except OSError as error:
             lock.release()
             shutil.rmtree(folder, ignore_errors=True)  # nothing half-made is left behind
-            why = str(error) if isinstance(error, OutputError) else reason(error)
+            why = str(error) if isinstance(error, OutputError) else os_reason(error)
             raise OutputError(f"cannot create the disk cache in {offload_dir}: {why}") from None
         tier.made = True
         try:
@@ -246,7 +246,7 @@ class DiskTier:
         try:
             write_checked(self.folder / f"{name}.json", fields)
         except OSError as error:
-            raise OutputError(f"cannot describe the disk cache in {self.folder}: {reason(error)}") from None
+            raise OutputError(f"cannot describe the disk cache in {self.folder}: {os_reason(error)}") from None
 
     def append(self, *records: dict[str, Any]) -> None:
         """Append journal records (JSON objects), each after its CRC-32, in one write: whole, or (an `OutputError`,
@@ -263,7 +263,7 @@ class DiskTier:
             except OSError:
                 pass
             if isinstance(error, OSError):
-                raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {os_reason(error)}") from None
             raise
         self.appends += 1
         for record in records:
@@ -315,7 +315,7 @@ class DiskTier:
         if not self.compact_failed:
             self.compact_failed = True
             log.warning("%s: cannot compact the disk cache's journal (%s); it keeps growing with every step",
-                        self.folder, reason(error))
+                        self.folder, os_reason(error))
 
     def commit_step(self, step: int, tokens: int, cache: Any, extra: dict[str, Any], *,
                     ends_vision_call: bool = True) -> None:
@@ -380,7 +380,7 @@ class DiskTier:
             try:
                 self._slots = [os.open(self.folder / f"carry.{i}.bin", os.O_WRONLY | os.O_CREAT, 0o644) for i in (0, 1)]
             except OSError as error:
-                raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
+                raise OutputError(f"cannot write the disk cache in {self.folder}: {os_reason(error)}") from None
             self._files.extend(self._slots)
         pwrite_all(self._slots[slot], memoryview(data), 0)
         # on the device before the record vouching for them (the journal's steps, the layers' rows, the slot; their
@@ -495,7 +495,7 @@ class DiskTier:
                 flush_folder(self.folder, strict=True)
                 flush_folder(self.folder.parent)
         except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {self.folder}: {reason(error)}") from None
+            raise OutputError(f"cannot write the disk cache in {self.folder}: {os_reason(error)}") from None
 
     @property
     def journal_bytes(self) -> int:
