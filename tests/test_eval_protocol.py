@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import shutil
+import stat
 import sys
 import types
 from pathlib import Path
@@ -604,15 +606,16 @@ def test_rescoring_with_the_paper_parser():
 
 
 def test_writer_fsyncs_each_line_and_reads_back(tmp_path, monkeypatch):
-    synced = []
+    synced = []  # per fsync: whether it forced a folder (the new file's name) or a file
     real_fsync = ev.records.os.fsync
-    monkeypatch.setattr(ev.records.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(ev.records.os, "fsync",
+                        lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)), real_fsync(fd)))
     path = ev.rank_file(tmp_path / "run", 0)
     questions = [make_question(qid=f"q{i}", video=f"v{i}") for i in range(3)]
     with ev.ResultsWriter(path) as out:
         for q in questions:
             out.write(answered(q, "A", timings={"encode": 1.5, "answer": 0.25}, frames=512))
-    assert len(synced) == 3 and path.name == "answers.rank000.jsonl"
+    assert synced == [True, False, False, False] and path.name == "answers.rank000.jsonl"
     back = ev.read_records(path)
     assert [r.qid for r in back] == ["q0", "q1", "q2"]
     assert back[0].timings == {"encode": 1.5, "answer": 0.25} and back[0].extra == {"frames": 512}
