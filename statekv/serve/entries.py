@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from ..api.watch_saving import records as watch_records
 from ..errors import InputError, StateKVError
 from .feeding import Feed
 from .page_record import page_fields
+from .store import remove_folder
 from .stream_settings import made_with, read_settings
 from .watches import watch_order
 
@@ -242,11 +242,17 @@ class Quarantined(InputError):
     sound = False  # its file set is sound, saved with another setup: left for a start with that one
 
 
-def remove_tier(entry: StreamEntry) -> None:
-    """Remove a closed stream's disk-tier file set (if it has one)."""
+def remove_tier(entry: StreamEntry) -> OSError | None:
+    """Remove a closed stream's disk-tier file set (if it has one), as much of it as can go; the `OSError` that left
+    a part of it (None: removed whole, or it had none), for the caller to note and try again."""
     folder = entry.tier
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
+    if folder is None:
+        return None
+    try:
+        remove_folder(folder)
+    except OSError as error:
+        return error
+    return None
 
 
 def failure_reason(error: BaseException) -> str:

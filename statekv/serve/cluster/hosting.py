@@ -22,7 +22,7 @@ from ...errors import ConfigurationError
 from ..app import Hosting, check_owners
 from ..auth import KeyRing, owner_of
 from ..config import ServeConfig
-from ..entries import remove_tier
+from ..entries import failure_reason, remove_tier
 from ..registry import StreamRegistry
 from ..store import join_state_folder
 from .board import POST_SECONDS, ReplicaBoard, StoreBoard
@@ -185,8 +185,9 @@ class ReplicaHosting(Hosting):
         if self.tier_root is None or self.shared is None:
             return
         for entry in list(self.shared.entries.values()):
-            if not entry.dirty:
-                remove_tier(entry)
+            if not entry.dirty and (error := remove_tier(entry)) is not None:
+                log.error("stream %s is saved, but not all its disk-tier files in %s could be removed at the stop "
+                          "(%s); remove them by hand", entry.id, entry.tier, failure_reason(error))
         with contextlib.suppress(OSError):
             (self.tier_root / self.replica).rmdir()  # only when empty
 

@@ -24,12 +24,12 @@ from typing import Any
 
 from ...errors import OtherSetupError, StateKVError
 from ...settings.values import is_finite_number
-from ..entries import DamagedStream, StreamEntry, remove_tier
+from ..entries import DamagedStream, StreamEntry, failure_reason, remove_tier
 from ..errors import ServiceError, StorageError, reason_of
 from ..loading import unreadable
 from ..placement import Placement
 from ..registry import StreamRegistry
-from ..store import STREAM_ID
+from ..store import STREAM_ID, remove_folder
 from ..stream_settings import read_settings
 from .folder import SharedStreamFiles
 from .leases import Lease, LeaseLost
@@ -125,6 +125,7 @@ class LeasedPlacement(Placement):
         self._unrenewed: set[str] = set()  # streams whose lease could not be renewed at the last pass (said once)
         self._letting_go: set[str] = set()  # streams dropped here whose lease the shared state would not release yet
         self._forgot_at = time.monotonic()  # the last look for tombstones past their time
+        self.leftovers: dict[Path, str] = {}  # disk-tier folders of streams gone from here, not removed whole yet -> id
         self._forgetting: asyncio.Task | None = None
 
     def restore(self, registry: StreamRegistry, owners: Any) -> int:
@@ -200,7 +201,7 @@ class LeasedPlacement(Placement):
                         self.files.check(stream_id)  # its hold lost, or run out, while it loaded: another's now
                     except LeaseLost:
                         await registry.healer.close_quietly(entry.stream)
-                        remove_tier(entry)
+                        await asyncio.to_thread(self.remove_tier, entry)
                         raise
                 except BaseException as error:
                     damaged = None
@@ -353,6 +354,8 @@ class LeasedPlacement(Placement):
                                                                      or self._forgetting.done()):
             # beside the pass, not in it: a slow listing of the whole store holds up no renewal
             self._forgetting = asyncio.create_task(asyncio.to_thread(self._forget_deletions))
+        if self.leftovers:
+            await asyncio.to_thread(self._remove_leftovers)
         letting_go = [stream_id for stream_id in self._letting_go if stream_id not in registry.entries]
         self._letting_go.intersection_update(letting_go)  # one served here again is no longer to let go
         await asyncio.gather(*(one(self._let_go, stream_id) for stream_id in letting_go),
@@ -461,7 +464,27 @@ class LeasedPlacement(Placement):
         if registry.end_watch_feeds is not None:
             registry.end_watch_feeds(entry.id, f"stream {entry.id} moved to another replica; follow its events again")
         await registry.worker.run(entry.stream.close)
-        remove_tier(entry)
+        await asyncio.to_thread(self.remove_tier, entry)
+
+    def remove_tier(self, entry: StreamEntry) -> None:
+        """The disk-tier file set of a stream gone from here (closed), removed; what cannot be is noted in one line
+        and tried again at each pass over the leases (`keep`), rather than left to fill the disk unseen."""
+        error = remove_tier(entry)
+        if error is not None:
+            self.leftovers[entry.tier] = entry.id
+            log.error("stream %s left this replica, but not all its disk-tier files in %s could be removed (%s); "
+                      "tried again at each pass", entry.id, entry.tier, failure_reason(error))
+
+    def _remove_leftovers(self) -> None:
+        """Try again to remove the disk-tier folders `remove_tier` could not remove whole (each a folder of its
+        own: a stream taken here again loads into a new one)."""
+        for folder, stream_id in list(self.leftovers.items()):
+            try:
+                remove_folder(folder)
+            except OSError:
+                continue
+            del self.leftovers[folder]
+            log.info("removed what was left of stream %s's disk-tier files in %s", stream_id, folder)
 
     def let_go(self, registry: StreamRegistry) -> None:
         """At shutdown, once every stream is saved: release every lease, so the streams come back at once
