@@ -40,7 +40,7 @@ from .page_record import HISTORY
 from .placement import Placement
 from .store import STREAM_ID, StreamFiles, remove_folder
 from .stream_settings import StreamSettings, shown
-from .tier_saves import drop_whole_save, save_stream, saved_in_tier, tier_in_place, tier_kept
+from .tier_saves import drop_whole_save, not_written, save_stream, saved_in_tier, tier_in_place, tier_kept
 from .worker import ModelExecutor
 
 log = logging.getLogger("statekv.serve")
@@ -316,7 +316,8 @@ class StreamRegistry:
                 self.note_save_failure(entry, error)
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
                                    f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
-                                   f"memory only); push the frame again once {self.files.where} can be written",
+                                   f"memory only); push the frame again once {not_written(entry, error, self.files)} "
+                                   "can be written",
                                    headers={"Retry-After": "5"}) from None
         return entry.stream.frames
 

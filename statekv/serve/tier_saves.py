@@ -40,6 +40,13 @@ def save_stream(entry: Any, files: Any, in_tier: bool) -> frozenset[str]:
     return watches
 
 
+def not_written(entry: Any, error: BaseException, files: Any) -> str:
+    """The folder a failed save of ``entry`` could not write, in messages: its disk-tier file set's (the offload
+    folder: a save forces it first, whole or not) when ``error`` names that file set, else where ``files`` keep it."""
+    return "the offload folder (--offload-dir)" if entry.tier is not None and str(entry.tier) in str(error) \
+        else files.where
+
+
 def drop_whole_save(stream_id: str, files: Any) -> None:
     """Remove the whole save a stream saved in its disk-tier file set (its record, written, says ``tier_saved``) may
     still have in the state folder (saved whole before: an older server, or a run with another placement); a kill
