@@ -103,3 +103,18 @@ def test_a_new_answers_file_has_its_name_forced_to_the_device_before_its_first_a
     with ResultsWriter(tmp_path / "run" / RANK_FILE):  # there already: nothing new to name
         pass
     assert forced_folders == [str(tmp_path / "run")]
+
+
+def test_a_new_note_of_an_unreadable_video_has_its_name_forced_to_the_device(tmp_path, forced_folders):
+    """Before: each note was forced, its file's name in the run folder never, so a power loss could take the whole
+    file back: the merge then counted none of its unreadable videos, and a rerun kept the answers given before a
+    video failed part way even once its file was replaced."""
+    from types import SimpleNamespace
+
+    from statekv.eval.video_errors import log_video_error, unresolved_errors
+
+    video = SimpleNamespace(video_id="v0001", questions=[SimpleNamespace(qid="v0001-needle")])
+    for _ in range(2):  # the second note appends to a file already named
+        log_video_error(tmp_path, 0, video, OSError("cannot read"), 0)
+    assert forced_folders == [str(tmp_path)]
+    assert [entry["qids"] for entry in unresolved_errors(tmp_path)] == [["v0001-needle"]]

@@ -14,6 +14,7 @@ from statekv.errors import DataError
 from statekv.eval.records import completed_qids, drop_unterminated_tail, durable_end
 from statekv.eval.questions import Question
 from statekv.eval.sharding import VideoQuestions
+from statekv.flushing import flush_folder
 
 logger = logging.getLogger(__name__)
 ERRORS_GLOB = "errors.rank*.jsonl"
@@ -29,7 +30,10 @@ def log_video_error(out: Path, rank: int, video: VideoQuestions, error: Exceptio
     path = out / f"errors.rank{rank:03d}.jsonl"
     drop_unterminated_tail(path, "the note of a video that could not be read, cut short by a stop",
                            "the note of a video that could not be read, not yet on the disk")
+    made = not path.exists()
     with path.open("a", encoding="utf-8") as file:
+        if made:  # its name on the device too: a rerun and the merge read the notes only through it
+            flush_folder(out)
         file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         file.flush()
         os.fsync(file.fileno())
