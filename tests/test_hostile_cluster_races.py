@@ -436,12 +436,12 @@ def test_a_watch_deleted_as_its_stream_moves_stays_deleted_on_the_replica_that_t
             await hand_over(holder, stream)
             handed.set()
 
-        def write_once_handed_over(files):  # another replica asks for the stream as the record is written
+        def write_once_handed_over(files, *leaving):  # another replica asks for the stream as the record is written
             entry.write_record = write_record
             apps[1].state.service.registry.files.ask_handoff(stream_id)
             first.portal.call(registry.keep_leases)  # the holder's pass over its leases, now
             handed.wait(WAIT_SECONDS)
-            write_record(files)
+            write_record(files, *leaving)
 
         registry.placement.hand_over, entry.write_record = hand_over_told, write_once_handed_over
         deleted = first.delete(f"/v1/streams/{stream_id}/watches/{watch_id}", headers=headers)

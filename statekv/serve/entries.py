@@ -76,7 +76,8 @@ class StreamEntry:
     closed: bool = False  # closed at shutdown, once saved
     recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
     changes: list[int] = field(default_factory=lambda: [0, 0])  # changes asked to be recorded; recorded
-    counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``changes``
+    counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``changes``, ``leaving``
+    leaving: set[str] = field(default_factory=set)  # watches being deleted: its records leave them out (`write_record`)
 
     @property
     def frames(self) -> int:
@@ -121,21 +122,36 @@ class StreamEntry:
         folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
         return None if folder is None else Path(folder)
 
-    def write_record(self, files: Any) -> None:
+    def write_record(self, files: Any, leaving: str | None = None) -> None:
         """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread,
         after a change: one write at a time, so the last written is the newest, and none for a change a write begun
-        after it already holds; none once it is deleted, moved or closed (`retire`)."""
+        after it already holds; none once it is deleted, moved or closed (`retire`). ``leaving``: a watch to be
+        closed once this returns (`left`), left out of this record and of every one after it; when this one cannot
+        be written (raised), none written has left it out, and the next names it again."""
         with self.counting:
+            if leaving is not None:
+                self.leaving.add(leaving)
             self.changes[0] += 1
             change = self.changes[0]
         with self.recording:
             if self.deleted or self.moved or self.closed or self.changes[1] >= change:
                 return
-            with self.counting:
-                holding = self.changes[0]
-            files.write_record(self.record())
+            with self.counting:  # the changes it holds and the watches it leaves out, as one
+                holding, left = self.changes[0], frozenset(self.leaving)
+            try:
+                files.write_record(self.record(left))
+            except BaseException:
+                if leaving is not None:
+                    self.left(leaving)
+                raise
             self.changes[1] = holding
             self.run_unrecorded = False
+
+    def left(self, watch_id: str) -> None:
+        """Its records leave watch ``watch_id`` out no longer: closed (then no record names it), or its deletion
+        refused."""
+        with self.counting:
+            self.leaving.discard(watch_id)
 
     async def keep_record(self, files: Any, what: str) -> None:
         """`write_record` off the event loop, for a change already made and answered (``what``: which, for the
@@ -181,19 +197,25 @@ class StreamEntry:
         if state.get("deleted"):
             self.deleting.set()
 
-    def record(self) -> dict[str, Any]:
+    def record(self, leaving: frozenset[str] | None = None) -> dict[str, Any]:
         """What the state folder keeps of it (besides the saved stream itself). ``owned``: its saved files and
         file set name its id and owner (checked when they are loaded; records written before hold no ``owned``).
         ``watches``: the events a watch had by the last save are left to the save when it holds that watch (those
         named in ``saved_watches``; a restart puts them back, from the save where the stream comes back from its
-        disk-tier file set, whose checkpoint may lack that watch: `with_saved_events`)."""
+        disk-tier file set, whose checkpoint may lack that watch: `with_saved_events`); those in ``leaving``
+        (default: the watches being deleted) are left out."""
         tier = self.tier
+        if leaving is None:
+            with self.counting:
+                leaving = frozenset(self.leaving)
+        watches = [data for data in watch_records(self.stream, self.saved_watches, self.saved["frames"])
+                   if data["id"] not in leaving]
         return {"id": self.id, "owner": self.owner, "settings": self.settings, "horizon_frames": self.horizon_frames,
                 "max_fps": self.max_fps, "name": self.name, "created": self.created, "saved": self.saved,
                 "answers": self.answers, "owned": self.owned, "tier": None if tier is None else tier.name,
                 "engine": made_with(self.stream), "stopped": self.stopped, "tier_saved": self.tier_saved,
                 "seen": {"pushed": self.stream.pushed, "frames": self.stream.frames},  # as the record is written
-                "watches": watch_records(self.stream, self.saved_watches, self.saved["frames"]),
+                "watches": watches,
                 "saved_watches": sorted(self.saved_watches),
                 "watch_order": watch_order(self.stream), "event_runs": self.event_runs, **page_fields(self)}
 

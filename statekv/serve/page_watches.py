@@ -16,7 +16,7 @@ from ..errors import StateKVError
 from ..synthetic.prompts import question_prompt
 from .answer_notes import read_frames
 from .page_parts import ErrorNote
-from .watch_routes import open_recorded
+from .watch_routes import close_recorded, open_recorded
 from .watches import changing_watches, described, watch_settings
 
 CHOICES = ("red", "green", "blue", "yellow")  # the built-in model's colours: a first question that suits it
@@ -116,14 +116,19 @@ class WatchPanel:
             self.refresh(entry, force=True)
 
     async def delete(self, entry, watch) -> None:
-        """Close ``watch`` of ``entry``'s stream (the stream its card was drawn for) and rewrite that stream's
-        record."""
+        """Close ``watch`` of ``entry``'s stream (the stream its card was drawn for) once that stream's record is
+        written without it; the form says why when it cannot be (the watch stays)."""
         async with changing_watches(entry):
             if entry.deleted or entry.moved or watch not in entry.stream.watches:
                 return
-            await self.page.service.worker.run(watch.close)
-            await entry.keep_record(self.page.registry.files, "the watches")  # before a hand-over moves the stream
+            try:
+                await close_recorded(self.page.service, entry, watch)
+            except StateKVError as failure:
+                if self.page.entry is entry:
+                    self.error.show(self.page.service.public(str(failure)))
+                return
         if self.page.entry is entry:
+            self.error.clear()
             self.refresh(entry, force=True)
 
     def refresh(self, entry, force: bool = False) -> None:

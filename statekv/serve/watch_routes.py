@@ -62,11 +62,30 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
             await asyncio.to_thread(entry.write_record, service.registry.files)
         except (OSError, StateKVError) as error:
             await service.worker.run(watch.close)
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else service.public(str(error))
-            log.error("cannot record a new watch of stream %s: %s; it was not opened", entry.id, error)
-            raise ServiceError(503, f"cannot record the watch in the state folder ({reason}); it was not opened",
-                               headers={"Retry-After": "5"}) from None
+            raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
     return watch
+
+
+async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
+    """Close ``watch`` of ``entry``'s stream (from the API or the page) once the stream's record, written without
+    it, is on the disk; a deletion a restart would undo (the record cannot be written) leaves the watch open as it
+    was, in memory and on disk (503). Called with the stream's watches held (`changing_watches`): a hand-over
+    waiting for them moves the stream with the record written here."""
+    try:
+        await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
+    except (OSError, StateKVError) as error:
+        raise _unrecorded_watch(service, entry, error, f"the deletion of watch {watch.id}",
+                                "it was not deleted") from None
+    await service.worker.run(watch.close)
+    entry.left(watch.id)
+
+
+def _unrecorded_watch(service: Any, entry: Any, error: BaseException, what: str, outcome: str) -> ServiceError:
+    """The 503 of a change to ``entry``'s watches whose record could not be written (``error``), logged."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else service.public(str(error))
+    log.error("cannot record %s of stream %s: %s; %s", what, entry.id, error, outcome)
+    return ServiceError(503, f"cannot record {what} in the state folder ({reason}); {outcome}",
+                        headers={"Retry-After": "5"})
 
 
 @router.get("/v1/streams/{stream_id}/watches")
@@ -88,9 +107,7 @@ async def delete_watch(stream_id: str, watch_id: str, request: Request, service:
     async with changing_watches(entry):
         check_here(entry)
         watch = find_watch(entry, watch_id)  # again: a delete that waited for the lock may have closed it
-        await service.worker.run(watch.close)
-        # before the lock goes: a hand-over waiting for it would move the stream with the watch its record names
-        await entry.keep_record(service.registry.files, "the watches")
+        await close_recorded(service, entry, watch)
     return {"id": watch_id, "object": "watch", "deleted": True}
 
 
