@@ -1,5 +1,6 @@
 """Files flushed to the disk before a rename makes them the ones others read: a power loss then leaves the old file
-or the new one, never a name on data not yet written."""
+or the new one, never a name on data not yet written; and what of a file of lines appended is whole after a kill or
+a power loss (`durable_end`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def flush_folder(folder: str | os.PathLike, *, strict: bool = False) -> None:
     except OSError:
         if strict:
             raise
+
+
+def durable_end(data: bytes) -> int:
+    """Where the lines of ``data`` (JSON Lines, appended) that were written whole end: before an unterminated last
+    line (a kill cut its write) and before last lines holding a NUL byte (a power loss zero-filled pages of a write
+    not yet on the device, its newline kept or not: JSON text never holds one). A NUL byte before a whole line
+    is damage, left for the reader to refuse."""
+    end = data.rfind(b"\n") + 1
+    while end:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        if b"\0" not in data[start:end]:
+            break
+        end = start
+    return end

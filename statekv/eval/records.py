@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from statekv.errors import DataError
-from statekv.flushing import flush_folder, write_whole
+from statekv.flushing import durable_end, flush_folder, write_whole
 from statekv.eval.parsing import DEFAULT_PARSER, check_parser, judge
 from statekv.eval.prompts import DEFAULT_PROTOCOL, check_protocol
 from statekv.eval.questions import Question
@@ -226,20 +226,6 @@ def drop_unterminated_tail(path: Path,
             logger.warning("%s: dropping an unterminated last line (%d bytes), %s", path, len(data) - keep, what)
         with path.open("rb+") as file:
             file.truncate(keep)
-
-
-def durable_end(data: bytes) -> int:
-    """Where the lines of ``data`` (JSON Lines, appended) that were written whole end: before an unterminated last
-    line (a kill cut its write) and before last lines holding a NUL byte (a power loss zero-filled pages of a write
-    not yet on the device, its newline kept or not: JSON text never holds one). A NUL byte before a whole line
-    is damage, left for the reader to refuse."""
-    end = data.rfind(b"\n") + 1
-    while end:
-        start = data.rfind(b"\n", 0, end - 1) + 1
-        if b"\0" not in data[start:end]:
-            break
-        end = start
-    return end
 
 
 def drop_unterminated_tails(run_dir: Path) -> None:

@@ -6,7 +6,8 @@ file's lock after checking that the lease still carries the writer's token (`Lea
 stream only when its lease has expired or was let go, and each taking raises the token by one; so a replica that
 stalled past its lease (while its death was being detected, say) finds its token gone and writes nothing: two
 replicas never both write a stream. ``STATE/leases/ID.history`` keeps one line per taking and letting go (the last
-`HISTORY_LINES`).
+`HISTORY_LINES`), each forced to the device before the lease it tells of is written (a taking) or once it is (a
+letting go): after a power loss it still names every taking whose lease the folder holds.
 
 The lock is a POSIX lock (`fcntl.lockf`) on the lease file itself, which NFS and the usual shared filesystems
 honour across machines; within one process a thread lock per lease file stands in for it (POSIX locks do not exclude
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ...flushing import durable_end, flush_folder, write_whole
 from ..errors import ServiceError
 
 LEASES = "leases"
@@ -177,9 +179,11 @@ class Leases:
     def history(self, stream_id: str) -> list[dict]:
         """Every taking and letting go of the stream (the last `HISTORY_LINES`), oldest first."""
         try:
-            lines = self.path(stream_id).with_suffix(".history").read_text().splitlines()
+            data = self.path(stream_id).with_suffix(".history").read_bytes()
         except OSError:
             return []
+        # a line a power loss or a full disk cut short (or zero-filled) is not one: the next note cuts it
+        lines = data[:durable_end(data)].decode(errors="replace").splitlines()
         return [json.loads(line) for line in lines if line.strip()]
 
     # -- the lock ---------------------------------------------------------------------------------------------
@@ -238,9 +242,14 @@ class Leases:
         if before is not None:
             line["before"] = {"holder": before.holder, "token": before.token, "expires": before.expires}
         path = self.path(stream_id).with_suffix(".history")
+        made = _whole_lines(path)
         with open(path, "a") as history:
             history.write(json.dumps(line) + "\n")
+            history.flush()
+            os.fsync(history.fileno())
             long = history.tell() > HISTORY_BYTES
+        if made:  # its name on the device too, before the lease it tells of
+            flush_folder(self.folder)
         if long:  # under the lease's lock: no other writer
             lines = path.read_text().splitlines(keepends=True)[-HISTORY_LINES:]
             size = 0
@@ -249,9 +258,20 @@ class Leases:
                 if size > HISTORY_BYTES // 2:
                     lines = lines[first + 1:]
                     break
-            kept = path.with_suffix(".history.kept")
-            kept.write_text("".join(lines))
-            os.replace(kept, path)
+            write_whole(path, "".join(lines).encode(), partial=path.with_suffix(".history.kept"))
+
+
+def _whole_lines(history: Path) -> bool:
+    """Cut ``history``'s end past its last whole line (a power loss, a full disk), so the next line starts on one
+    of its own; whether there is no such file yet."""
+    try:
+        data = history.read_bytes()
+    except FileNotFoundError:
+        return True
+    end = durable_end(data)
+    if end < len(data):
+        os.truncate(history, end)
+    return False
 
 
 def _remove_history(lease_file: Path) -> None:
