@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "questions arrive per stream as a Poisson process (--question-rate; --burstiness), every "
                     "request sent at its time whether or not earlier ones returned (open loop). Drives a running "
                     "server (--url, --api-key) or starts one (--model and the model options). Per N: frames/s, lag "
-                    "behind real time, time to first token and answer latency (p50/p90/p99), goodput (cameras held "
+                    "behind real time, time to first token, inter-token latency and time per output token "
+                    "(p50/p90/p95/p99), answer latency (p50/p90/p99), goodput (cameras held "
                     "at real time with p95 TTFT under --ttft-target), failed requests, the server's mean batch.")
     target = parser.add_argument_group("the server")
     target.add_argument("--url", default=None, help="a running statekv serve, http://HOST:PORT (or its OpenAI base "

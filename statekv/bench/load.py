@@ -16,8 +16,9 @@ Each stream is made with ``POST /v1/streams`` (every pushed frame kept, no horiz
 primed with ``warm_frames`` frames before the clock starts (a camera that has been live a while: its carried state
 full, so its steps are the steady ones that batch; and no question finds it empty); frames go to
 ``POST /v1/streams/{id}/frames`` as JPEG bodies at their stream time; questions to ``POST /v1/streams/{id}/ask``
-with ``"stream": true`` (or the OpenAI-compatible ``POST /v1/chat/completions``), whose first streamed token
-marks the time to first token. Streams are deleted after the run. Making a stream and deleting one are bounded
+with ``"stream": true`` (or the OpenAI-compatible ``POST /v1/chat/completions``), whose streamed pieces of text
+time the answer (`read_answer`): the first marks the time to first token, the gaps between them the inter-token
+latency. Streams are deleted after the run. Making a stream and deleting one are bounded
 (``SETUP_SECONDS``, ``DELETE_SECONDS``): a server that hangs is said, never waited on for good.
 """
 
@@ -27,7 +28,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,9 @@ class LoadSettings:
 class Request:
     """One request of a run: ``kind`` ``frame`` or ``question``, the stream (camera) it belongs to, when it was due
     and sent, when its first answer token came (questions) and when it finished (``perf_counter`` seconds);
-    ``error``: why it failed (None: it succeeded); ``given_up``: when it was given up at the drain's end."""
+    ``error``: why it failed (None: it succeeded); ``given_up``: when it was given up at the drain's end. A
+    streamed answer's ``chunks``: when each of its pieces of text came (the first is ``first_token``); ``tokens``:
+    the tokens the server says it generated (its ``usage.completion_tokens``; None when it did not say)."""
 
     kind: str
     stream: int
@@ -79,6 +82,8 @@ class Request:
     done: float | None = None
     error: str | None = None
     given_up: float | None = None  # still out (or not yet sent) when the drain ended: its lag was at least this
+    chunks: list[float] = field(default_factory=list)
+    tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -270,13 +275,14 @@ async def _push(client, request: Request, stream_id: str, body: bytes, seconds: 
 
 
 async def _ask(client, request: Request, stream_id: str, settings: LoadSettings) -> None:
-    """A streamed question; its first token event sets ``first_token`` (the answer's end, if no token came)."""
+    """A streamed question, read by `read_answer`."""
     import httpx
 
     if settings.route == "chat":
         path = "/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": settings.question}],  # no model: the one served
-                "max_tokens": settings.max_new_tokens, "stream": True, "statekv": {"stream_id": stream_id}}
+                "max_tokens": settings.max_new_tokens, "stream": True, "stream_options": {"include_usage": True},
+                "statekv": {"stream_id": stream_id}}
     else:
         path = f"/v1/streams/{stream_id}/ask"
         body = {"question": settings.question, "max_new_tokens": settings.max_new_tokens, "stream": True}
@@ -287,37 +293,61 @@ async def _ask(client, request: Request, stream_id: str, settings: LoadSettings)
                 await reply.aread()
                 request.error = f"HTTP {reply.status_code}: {_message(reply)}"
                 return
-            event = None
-            async for line in reply.aiter_lines():
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                    continue
-                if not line.startswith("data:"):
-                    event = None if not line else event
-                    continue
-                data = line[5:].strip()
-                if settings.route == "chat":
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        request.error = str(chunk["error"].get("message", chunk["error"]))[:200]
-                        return
-                    delta = (chunk.get("choices") or [{}])[0].get("delta", {})
-                    if delta.get("content") and request.first_token is None:
-                        request.first_token = time.perf_counter()
-                elif event == "error":
-                    request.error = str(json.loads(data).get("error", {}).get("message", data))[:200]
-                    return
-                elif event == "answer":
-                    break
-                elif request.first_token is None:
-                    request.first_token = time.perf_counter()
-        request.done = time.perf_counter()
-        if request.first_token is None:
-            request.first_token = request.done
+            await read_answer(request, reply.aiter_lines(), settings.route)
     except (httpx.HTTPError, ValueError) as error:
         request.error = f"{type(error).__name__}: {error}"
+
+
+async def read_answer(request: Request, lines: AsyncIterator[str], route: str,
+                      clock: Callable[[], float] = time.perf_counter) -> None:
+    """Read a streamed answer's server-sent ``lines`` (``route`` ``ask``: ``token`` events then an ``answer``;
+    ``chat``: ``chat.completion.chunk`` events then ``[DONE]``) into ``request``: when each piece of text came
+    (``chunks``, by ``clock``; the first is ``first_token``), the tokens the server counted, when it ended
+    (``done``), or why it failed (``error``: an error event). Raises ValueError for an event that is not JSON."""
+    event = None
+    async for line in lines:
+        if line.startswith("event:"):
+            event = line[6:].strip()
+            continue
+        if not line.startswith("data:"):
+            event = None if not line else event
+            continue
+        data = line[5:].strip()
+        if route == "chat":
+            if data == "[DONE]":
+                break
+            chunk = _body(data)
+            if "error" in chunk:
+                request.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                return
+            request.tokens = _completion_tokens(chunk) or request.tokens
+            if ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
+                request.chunks.append(clock())
+        elif event == "error":
+            request.error = str(_body(data).get("error", {}).get("message", data))[:200]
+            return
+        elif event == "answer":
+            request.tokens = _completion_tokens(_body(data))
+            break
+        elif _body(data).get("token"):
+            request.chunks.append(clock())
+    request.done = clock()
+    request.first_token = request.chunks[0] if request.chunks else request.done
+
+
+def _body(data: str) -> dict[str, Any]:
+    """An event's JSON object; ValueError for anything else."""
+    body = json.loads(data)
+    if not isinstance(body, dict):
+        raise ValueError(f"an event that is not a JSON object: {data[:80]}")
+    return body
+
+
+def _completion_tokens(body: dict[str, Any]) -> int | None:
+    """The tokens an answer's ``usage`` says were generated, or None where it says none."""
+    usage = body.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 def _message(reply) -> str:

@@ -1,5 +1,6 @@
-"""What a run of N cameras comes to: throughput, lag behind real time, time to first token, goodput; the progress
-line while it goes; the table, the JSON and the plot of a sweep.
+"""What a run of N cameras comes to: throughput, lag behind real time, time to first token, the answers' pace
+(inter-token latency, time per output token), goodput; the progress line while it goes; the table, the JSON and the
+plot of a sweep.
 
 A camera is **held at real time** when every one of its requests succeeded, its frames were streamed within
 ``lag_target`` seconds of being due at p95, and it caught up in the run's last quarter (`caught_up`): a camera the
@@ -7,9 +8,12 @@ server cannot keep up with falls further behind with every frame, so its lag gro
 little slower than real time stays under any lag target for a run short enough. **Goodput** counts the cameras
 held at real time whose questions' p95 time to first token is at most ``ttft_target`` (vLLM's goodput: requests
 meeting every latency target; here the unit a buyer counts is the camera). Percentiles interpolate linearly
-(numpy's default, as vLLM reports them). A frame still out (or not yet sent) when the drain ends counts in the lag
-with the lag it had then, a lower bound: those are a slow server's latest frames, and leaving them out would report
-it behind by less than it is.
+(numpy's default, as vLLM reports them). As `vllm bench serve`'s, the **inter-token latency** (ITL) is every gap
+between two pieces of text streamed in one answer, pooled over the answers (a piece may carry several tokens: it
+waits for a whole character or word), and the **time per output token** (TPOT) one figure per answer of more than
+one token: its seconds from first token to end over its tokens after the first (``usage.completion_tokens``). A
+frame still out (or not yet sent) when the drain ends counts in the lag with the lag it had then, a lower bound:
+those are a slow server's latest frames, and leaving them out would report it behind by less than it is.
 **Failures** count the requests sent that failed and the streams that could not be made; requests never sent
 (their stream not made, or their camera still behind at the drain's end) are ``unsent``.
 """
@@ -49,6 +53,17 @@ def failed(run: Run) -> int:
     """The requests of ``run`` sent that failed (those still under way are not, until the drain gives them up), and
     its streams that could not be made."""
     return sum(r.sent is not None and r.error is not None for r in run.requests) + len(run.setup_failures)
+
+
+def inter_token_latencies(answers: Sequence[Any]) -> list[float]:
+    """The gaps between consecutive pieces of text streamed in each of ``answers``, pooled (seconds)."""
+    return [later - earlier for r in answers for earlier, later in zip(r.chunks, r.chunks[1:])]
+
+
+def times_per_output_token(answers: Sequence[Any]) -> list[float]:
+    """Each answer's seconds from its first token to its end per token after the first, for those of more than one
+    token the server counted."""
+    return [(r.done - r.first_token) / (r.tokens - 1) for r in answers if r.tokens is not None and r.tokens > 1]
 
 
 def frame_lags(frames: Sequence[Any]) -> list[float]:
@@ -129,8 +144,9 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
            "lag_max_s": max(lags, default=None), "frames_given_up": sum(r.given_up is not None for r in frames),
            "questions": len(asks),
            "answers": len(answered)}
-    for q in (50, 90, 95, 99):
-        row[f"ttft_p{q}_s"] = percentile(ttfts, q)
+    timed = {"ttft": ttfts, "itl": inter_token_latencies(answered), "tpot": times_per_output_token(answered)}
+    for name, values in timed.items():
+        row.update({f"{name}_p{q}_s": percentile(values, q) for q in (50, 90, 95, 99)})
     for q in (50, 90, 99):
         row[f"latency_p{q}_s"] = percentile(latencies, q)
     errors = sorted({r.error for r in run.requests if r.error} | set(run.setup_failures))
@@ -152,15 +168,15 @@ def _seconds(value: float | None) -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The sweep as a markdown table."""
-    lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | lag max (s) | TTFT p50 (s) | TTFT p90 (s) | "
-             "TTFT p95 (s) | TTFT p99 (s) | answer p50 (s) | answer p90 (s) | answer p99 (s) | questions | "
-             "goodput streams | failed | mean batch |",
-             "|" + "---:|" * 17]
+    timed = [f"{name} p{q}" for name in ("TTFT", "ITL", "TPOT") for q in (50, 90, 95, 99)]
+    lines = ["| streams | fps | frames/s | lag p50 (s) | lag p95 (s) | lag max (s) | "
+             + " | ".join(f"{name} (s)" for name in timed) + " | answer p50 (s) | answer p90 (s) | answer p99 (s) | "
+             "questions | goodput streams | failed | mean batch |",
+             "|" + "---:|" * 25]
     for row in rows:
         cells = [str(row["streams"]), f"{row['fps']:g}", f"{row['frames_per_s']:.1f}"]
-        cells += [_seconds(row[name]) for name in ("lag_p50_s", "lag_p95_s", "lag_max_s", "ttft_p50_s", "ttft_p90_s",
-                                                   "ttft_p95_s", "ttft_p99_s", "latency_p50_s", "latency_p90_s",
-                                                   "latency_p99_s")]
+        names = ["lag_p50_s", "lag_p95_s", "lag_max_s"] + [f"{name.lower().replace(' ', '_')}_s" for name in timed]
+        cells += [_seconds(row[name]) for name in names + ["latency_p50_s", "latency_p90_s", "latency_p99_s"]]
         cells += [str(row["questions"]), str(row["goodput_streams"]), str(row["failures"]),
                   "-" if row["mean_batch"] is None else f"{row['mean_batch']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
