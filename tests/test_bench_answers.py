@@ -87,3 +87,15 @@ def test_a_runs_row_reports_the_inter_token_latency_and_time_per_output_token_pe
     row = summarize(Run(1, 0.0, frames + unknown), fps=1.0, duration=10.0, targets=Targets(), mean_batch=None)
     assert row["itl_p50_s"] == pytest.approx(0.1) and row["tpot_p50_s"] is None
 
+
+
+@pytest.mark.parametrize("events, route", [(_ask_events, "ask"), (_chat_events, "chat")])
+def test_an_answer_streamed_without_text_is_a_failed_request_with_its_reason(events, route):
+    """Before: a 200 whose stream carried no text counted as answered, its TTFT the stream's end, as though the
+    server had answered; vLLM's bench fails a response without output."""
+    empty = _read(route, *events(tokens=1), times=[0.3])
+    assert not empty.ok and empty.error == "an empty answer: the server streamed no text"
+    frames = [Request("frame", 0, due=k, sent=k, done=k + 0.1) for k in range(10)]
+    row = summarize(Run(1, 0.0, frames + [empty]), fps=1.0, duration=10.0, targets=Targets(), mean_batch=None)
+    assert (row["answers"], row["failures"], row["goodput_streams"]) == (0, 1, 0) and row["ttft_p50_s"] is None
+    assert row["errors"] == ["an empty answer: the server streamed no text"]

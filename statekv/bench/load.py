@@ -303,7 +303,8 @@ async def read_answer(request: Request, lines: AsyncIterator[str], route: str,
     """Read a streamed answer's server-sent ``lines`` (``route`` ``ask``: ``token`` events then an ``answer``;
     ``chat``: ``chat.completion.chunk`` events then ``[DONE]``) into ``request``: when each piece of text came
     (``chunks``, by ``clock``; the first is ``first_token``), the tokens the server counted, when it ended
-    (``done``), or why it failed (``error``: an error event). Raises ValueError for an event that is not JSON."""
+    (``done``), or why it failed (``error``: an error event, or an answer with no text). Raises ValueError for an
+    event that is not JSON."""
     event = None
     async for line in lines:
         if line.startswith("event:"):
@@ -332,7 +333,10 @@ async def read_answer(request: Request, lines: AsyncIterator[str], route: str,
         elif _body(data).get("token"):
             request.chunks.append(clock())
     request.done = clock()
-    request.first_token = request.chunks[0] if request.chunks else request.done
+    if not request.chunks:  # as vllm bench serve fails a response without output: no TTFT to measure
+        request.error = "an empty answer: the server streamed no text"
+        return
+    request.first_token = request.chunks[0]
 
 
 def _body(data: str) -> dict[str, Any]:

@@ -14,8 +14,9 @@ waits for a whole character or word), and the **time per output token** (TPOT) o
 one token: its seconds from first token to end over its tokens after the first (``usage.completion_tokens``). A
 frame still out (or not yet sent) when the drain ends counts in the lag with the lag it had then, a lower bound:
 those are a slow server's latest frames, and leaving them out would report it behind by less than it is.
-**Failures** count the requests sent that failed and the streams that could not be made; requests never sent
-(their stream not made, or their camera still behind at the drain's end) are ``unsent``.
+**Failures** count the requests sent that failed (an answer streamed without text among them, as vLLM's) and the
+streams that could not be made; requests never sent (their stream not made, or their camera still behind at the
+drain's end) are ``unsent``.
 """
 
 from __future__ import annotations
