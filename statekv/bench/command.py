@@ -194,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
             return probe.find_max(limit, start=(args.streams or [1])[0], deadline=deadline)
         return [probe(count) for count in args.streams or [1, 4, 16]], None
 
+    def server_limit() -> float:
+        """The most streams the server made in the search, where it refused more."""
+        found = probes[0].stream_limit if probes else None
+        return math.inf if found is None else found
+
     def report(rows: list[dict[str, Any]], most: Any, where: dict[str, Any], interrupted: bool = False) -> None:
         document = {"command": _command(), "machine": client, "server": where,
                     "settings": {**settings.__dict__, "ttft_target_s": targets.ttft_target,
@@ -204,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
             document["interrupted"] = True  # the runs finished before the stop; the sweep or search was cut short
         elif args.find_max:
             document["max_streams_held"], document["search_complete"] = most
-            document["search_capped"] = most[0] >= limit  # every count up to the cap held: the most may be more
+            # every count up to the cap held (or up to the streams the server would make): the most may be more
+            document["search_capped"] = most[0] >= min(limit, server_limit())
+            document["server_stream_limit"] = probes[0].stream_limit
         if rows:
             print(table(rows))
         failed = failure_lines(rows)
@@ -218,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
             if held >= limit:
                 why = f" (the search's cap, --max-streams {limit})"
+            elif held >= server_limit():
+                why = f" (the server's limit of {server_limit()} streams: it refused more, 429)"
             print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
                   f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
         if "json" in outputs:
@@ -268,6 +277,7 @@ class Probe:
         self.url, self.key, self.settings, self.targets, self.cameras = url, key, settings, targets, cameras
         self.quiet, self.progress, self.check_server = quiet, progress, check_server
         self.rows: dict[int, dict[str, Any]] = {}
+        self.stream_limit: int | None = None  # the most streams the server would make (it refused more: 429)
 
     def reach(self, *, stopped: bool = False) -> None:
         """The server answers and takes the key: one line before any camera starts, not a table of failures.
@@ -349,9 +359,11 @@ class Probe:
     def find_max(self, limit: int, *, start: int = 1, deadline: float | None = None
                  ) -> tuple[list[dict[str, Any]], tuple[int, bool]]:
         """The most cameras held (`summary.held_all`): doubling from ``start`` up to ``limit`` (halving from it
-        when it is not held), then bisecting between the last count held and the first not held. No run starts
-        that would end past ``deadline`` (``time.monotonic()``), but the first. Returns every run (by count) and
-        ``(most held, whether the search was complete)``."""
+        when it is not held), then bisecting between the last count held and the first not held. A run whose
+        streams the server would not all make (its own stream limit, 429) measured that limit, not the cameras it
+        holds: the search's cap becomes the streams it made (`stream_limit`). No run starts that would end past
+        ``deadline`` (``time.monotonic()``), but the first. Returns every run (by count) and ``(most held, whether
+        the search was complete)``."""
         from .summary import held_all
 
         walls: dict[int, float] = {}
@@ -366,15 +378,28 @@ class Probe:
                 if time.monotonic() + guess > deadline:
                     return None  # out of time
             started = time.monotonic()
-            outcome = held_all(self(count))
+            row = self(count)
             walls.setdefault(count, time.monotonic() - started)
-            return outcome
+            if row.get("streams_refused"):
+                made = count - row["streams_refused"]
+                self.stream_limit = made if self.stream_limit is None else min(self.stream_limit, made)
+            return held_all(row)
+
+        def capped(count: int) -> bool:
+            """Whether ``count`` ran past the server's stream limit: the search goes no higher."""
+            return self.stream_limit is not None and count > self.stream_limit
 
         good, bad, count = 0, None, min(max(1, start), limit)
         while True:
             outcome = held(count)
             if outcome is None:
                 return self.found(good, complete=False)
+            if capped(count):
+                limit = self.stream_limit
+                if good >= limit or limit < 1:
+                    break
+                count = limit
+                continue
             if outcome:
                 good = count
                 if count >= limit or bad is not None:
@@ -390,6 +415,10 @@ class Probe:
             outcome = held(middle)
             if outcome is None:
                 return self.found(good, complete=False)
+            if capped(middle):  # fewer streams made than before (the server holds others now): none past them
+                bad = self.stream_limit + 1
+                good = min(good, self.stream_limit)
+                continue
             good, bad = (middle, bad) if outcome else (good, middle)
         return self.found(good, complete=True)
 

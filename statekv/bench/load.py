@@ -93,13 +93,15 @@ class Request:
 @dataclass
 class Run:
     """What a run of ``streams`` cameras measured: every request, and when the clock started; ``undeleted``: why
-    streams of the run could not be deleted after it (they would share the server with the next run)."""
+    streams of the run could not be deleted after it (they would share the server with the next run); ``refused``:
+    the streams the server would not make as it held its limit of streams (429)."""
 
     streams: int
     start: float
     requests: list[Request] = field(default_factory=list)
     setup_failures: list[str] = field(default_factory=list)
     undeleted: list[str] = field(default_factory=list)
+    refused: int = 0
 
 
 def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request]:
@@ -157,12 +159,13 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
             failed = [error for error in made if isinstance(error, BaseException)]
             if failed:  # every creation has ended: none is made after the deletions below
                 raise failed[0]
-            unready = {stream for stream, (_, error) in enumerate(made) if error is not None}
+            unready = {stream for stream, (_, error, _) in enumerate(made) if error is not None}
             if ready is not None:
                 await asyncio.to_thread(ready)
             start = time.perf_counter() + 0.5
             run = Run(streams, start, schedule(streams, settings, start),
-                      [error for _, error in made if error is not None])
+                      [error for _, error, _ in made if error is not None],
+                      refused=sum(at_limit for _, _, at_limit in made))
             for request in run.requests:
                 if request.stream in unready:
                     request.error = "its stream could not be made or warmed up"
@@ -180,9 +183,9 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
 
 
 async def _create(client, stream: int, shown: list[bytes], settings: LoadSettings,
-                  ids: list[str | None]) -> tuple[str | None, str | None]:
+                  ids: list[str | None]) -> tuple[str | None, str | None, bool]:
     """Make camera ``stream``'s stream (its id into ``ids``) and push its warm-up frames (stream times ``0, 1 / fps,
-    ...``): ``(id, None)``, or ``(id or None, why)``."""
+    ...``): ``(id, None, False)``, or ``(id or None, why, whether the server refused it at its stream limit)``."""
     import httpx
 
     try:
@@ -191,16 +194,16 @@ async def _create(client, stream: int, shown: list[bytes], settings: LoadSetting
         if reply.status_code == 401:
             raise LoadError(f"the server refused the API key ({_message(reply)})")
         if reply.status_code != 201:
-            return None, f"HTTP {reply.status_code}: {_message(reply)}"
+            return None, f"HTTP {reply.status_code}: {_message(reply)}", reply.status_code == 429
         stream_id = ids[stream] = reply.json()["id"]
         for index in range(max(1, settings.warm_frames)):
             pushed = await client.post(f"/v1/streams/{stream_id}/frames", params={"t": f"{index / settings.fps:.6f}"},
                                        content=shown[index % len(shown)], headers={"Content-Type": "image/jpeg"})
             if pushed.status_code != 200:
-                return stream_id, f"HTTP {pushed.status_code}: {_message(pushed)}"
-        return stream_id, None
+                return stream_id, f"HTTP {pushed.status_code}: {_message(pushed)}", False
+        return stream_id, None, False
     except httpx.HTTPError as error:
-        return None, f"{type(error).__name__}: {error}"
+        return None, f"{type(error).__name__}: {error}", False
 
 
 async def _send_all(client: list, run: Run, ids: list[str | None], settings: LoadSettings,
