@@ -69,7 +69,7 @@ import shutil
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ from .compaction import BACKLOG, loaded_record
 from .deferred import DeferredTokenBuffer, give_back
 from .files import (FILE_SET, FOLLOWED_BY, FORMAT, FORMAT_VERSION, JOURNAL, MANIFEST, compacted_journal, hold,
                     journal_header, journal_line, write_checked)
+from .forcing import force, refuse_unforced
 from .mirrored import MirroredTokenBuffer
 from .open_files import close_all, closed_with, raise_open_files_limit
 from .power_loss import SYNCED
@@ -151,6 +152,7 @@ class DiskTier:
         self.appends = 0  # records appended and compactions (what a record's withdrawal checks nothing came after)
         self.compact_failed = self.give_back_failed = False  # said once in the log
         self.lost = False  # the folder was moved or replaced under this tier: it writes nothing more there
+        self.force_failed: str | None = None  # why a force failed: it checkpoints no more (`statekv.core.disk.forcing`)
         # made here (`create`) and nothing resumable journaled yet: closing then removes the folder, which no
         # `Stream.load` could resume (a stream whose first step or loaded state the disk could not take)
         self.made = False
@@ -372,6 +374,7 @@ class DiskTier:
         if self.last_step is None or self.checkpointed == self.last_step:
             return
         self.check_owner()
+        refuse_unforced(self)
         carried = [carried_parts(layer) for layer in self._cache.layers]
         tally = tally_parts(self._cache)
         data = slot_bytes(carried, tally)
@@ -391,6 +394,7 @@ class DiskTier:
         # the last checkpoint's vouch for): a kill, even one that tears the write, leaves the checkpoint with them
         # or the last one with its own
         followers = self.waiting()
+        end = os.fstat(self._journal).st_size
         self.append({"carry": self.last_step, "slot": slot, "carried": [list(parts[1].shape) for parts in carried],
                      "placed": carried[0][3] is not None if carried else False,
                      "segment": list(carried[0][-1].shape) if carried and carried[0][-1] is not None else None,
@@ -398,7 +402,12 @@ class DiskTier:
                      "carried_dtype": str(carried[0][1].dtype).removeprefix("torch.") if carried else "float32",
                      **({"tally": len(tally[0])} if tally else {}),
                      **({FOLLOWED_BY: len(followers)} if followers else {}), SYNCED: True}, *followers)
-        self._force(self._journal, layers=False)
+        try:
+            self._force(self._journal, layers=False)
+        except OutputError:  # the record may not be on the device: none resumes from it (`forcing`)
+            with suppress(OSError):
+                os.ftruncate(self._journal, end)
+            raise
         give_back(self)  # the rows evicted since the last time: their records are on the device now
         self.after_checkpoint()
         self.checkpoints += 1
@@ -480,22 +489,10 @@ class DiskTier:
         give_back(self)
 
     def _force(self, *fds: int, layers: bool = True, folder: bool = False) -> None:
-        """Force ``fds``, and the layers' files written since the last time (``layers``; `MappedTokenBuffer.sync`,
-        and `forced`) or the folder's names (``folder``), to the storage device; an `OutputError` when the device
-        fails it."""
-        if layers:
-            self.forced()
-        try:
-            for layer in range(len(self.buffers) if layers else 0):
-                for _, buffer in self.layer_files(layer):
-                    buffer.sync()
-            for fd in fds:
-                os.fsync(fd)
-            if folder:  # its files' names, and its own in the offload folder
-                flush_folder(self.folder, strict=True)
-                flush_folder(self.folder.parent)
-        except OSError as error:
-            raise OutputError(f"cannot write the disk cache in {self.folder}: {os_reason(error)}") from None
+        """Force ``fds`` (the journal, the slots) and the layers' files or the folder's names to the storage device
+        (`statekv.core.disk.forcing.force`); an `OutputError` when the device fails it, and from then on."""
+        names = {self._journal: JOURNAL, **{fd: f"carry.{i}.bin" for i, fd in enumerate(self._slots)}}
+        force(self, {fd: names[fd] for fd in fds}, layers=layers, folder=folder)
 
     @property
     def journal_bytes(self) -> int:

@@ -1,0 +1,76 @@
+"""A force to the device that fails (``os.fsync`` raising EIO, ENOSPC, EDQUOT): Linux may drop the pages it could
+not write and mark them clean, so a later fsync of the same file succeeds without them. No writer of statekv
+vouches for what it wrote before such a failure on the strength of a later fsync (`statekv.flushing`)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+import statekv
+from statekv import Stream
+from statekv.errors import OutputError
+from statekv.models import load_adapter
+
+from conftest import random_frames, tiny_qa
+
+
+@pytest.fixture(scope="module")
+def adapter(checkpoint):
+    return load_adapter(checkpoint, layout="chat")
+
+
+def failing_once(monkeypatch, name: str, skip: int = 0) -> list[str]:
+    """``os.fsync`` raises EIO once, on its ``skip + 1``-th call for a file named ``name``, then forces as before
+    (as Linux does: the pages it could not write are clean now). Returns the names it failed on."""
+    real, failed, seen = os.fsync, [], [0]
+
+    def fsync(fd):
+        if not failed and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+            seen[0] += 1
+            if seen[0] > skip:
+                failed.append(name)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return failed
+
+
+def synced_checkpoints(folder) -> list[int]:
+    """The steps of the checkpoints the journal in ``folder`` marks forced to the device."""
+    records = [json.loads(line.partition(" ")[2]) for line in (folder / "journal").read_text().splitlines()]
+    return [record["carry"] for record in records if "carry" in record and record.get("synced")]
+
+
+@pytest.mark.parametrize("name,skip", [("journal", 0), ("journal", 1), ("carry.1.bin", 0)])
+def test_a_checkpoint_whose_force_failed_is_never_vouched_for_by_a_later_one(adapter, tmp_path, monkeypatch, name,
+                                                                            skip):
+    """Before: the step was undone and, pushed again, checkpointed with a record marked synced once the retried
+    fsync succeeded, vouching for journal lines and rows the failed one may have lost (a power loss then left the
+    stream refused as damaged). Now the tier checkpoints no more, and the folder resumes at the checkpoint before."""
+    monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 4)
+    frames = random_frames(12)
+    qa = tiny_qa(adapter, offload="disk", offload_dir=tmp_path / "tier")
+    stream = qa.stream(horizon_frames=12)
+    for frame in frames[:10]:
+        stream.push(frame)
+    folder = stream.prefill.disk.folder
+    assert synced_checkpoints(folder) == [0, 3, 7]
+    failed = failing_once(monkeypatch, name, skip)
+    with pytest.raises(OutputError) as error:
+        stream.push(frames[10])  # its step is due a checkpoint
+    assert failed == [name] and "\n" not in str(error.value)
+    assert f"{folder} to the device: {name}: {os.strerror(errno.EIO)}" in str(error.value)
+    for retry in (lambda: stream.push(frames[10]), stream.sync):  # each fsync would succeed now
+        with pytest.raises(OutputError, match=f"an earlier force failed \\({name}: "):
+            retry()
+    assert synced_checkpoints(folder) == [0, 3, 7]
+    with pytest.raises(OutputError, match="resumes from its last checkpoint"):
+        stream.close()
+    monkeypatch.undo()
+    resumed = Stream.load(folder, qa)
+    assert resumed.frames == 7
+    resumed.close()
