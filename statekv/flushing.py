@@ -1,10 +1,20 @@
 """Files flushed to the disk before a rename makes them the ones others read: a power loss then leaves the old file
 or the new one, never a name on data not yet written; and what of a file of lines appended is whole after a kill or
-a power loss (`durable_end`)."""
+a power loss (`durable_end`).
+
+A failed flush is never retried nor passed over (the rule every writer of statekv keeps): once ``os.fsync`` has
+failed (EIO, ENOSPC, EDQUOT), Linux may have dropped the pages it could not write and marked them clean, so a later
+fsync of the same file succeeds without them. What was written since the last flush that succeeded is therefore
+lost as far as its writer knows: the error reaches the caller, and the writer vouches for nothing written before
+it on the strength of a later flush (the disk tier refuses every checkpoint after it:
+`statekv.core.disk.forcing`). Only a system that cannot flush a folder at all is passed over where that is
+allowed (`flush_folder`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -42,18 +52,27 @@ def flush_file(path: str | os.PathLike) -> None:
         os.close(handle)
 
 
+# what ``os.fsync`` of a folder says on a system (or file system) that cannot flush folders: nothing was lost
+UNSUPPORTED = frozenset({errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
 def flush_folder(folder: str | os.PathLike, *, strict: bool = False) -> None:
     """Flush the entries of ``folder`` (a rename, a new file) to the disk, so a power loss cannot bring back the name
-    as it was. strict: an `OSError` when it cannot be done; otherwise done where the system allows it."""
+    as it was. strict: an `OSError` when it cannot be done; otherwise passed over where the system cannot open or
+    flush a folder (`UNSUPPORTED`), but a flush that failed (EIO...) raises all the same: its entries may be lost."""
     try:
         handle = os.open(Path(folder), os.O_RDONLY)
-        try:
-            os.fsync(handle)
-        finally:
-            os.close(handle)
     except OSError:
         if strict:
             raise
+        return
+    try:
+        os.fsync(handle)
+    except OSError as error:
+        if strict or error.errno not in UNSUPPORTED:
+            raise
+    finally:
+        os.close(handle)
 
 
 def durable_end(data: bytes) -> int:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 
 import pytest
 
 import statekv
-from statekv import Stream
+from statekv import Stream, flushing
 from statekv.errors import OutputError
 from statekv.models import load_adapter
 
@@ -74,3 +75,34 @@ def test_a_checkpoint_whose_force_failed_is_never_vouched_for_by_a_later_one(ada
     resumed = Stream.load(folder, qa)
     assert resumed.frames == 7
     resumed.close()
+
+
+def failing_folders(monkeypatch, code: int) -> None:
+    """``os.fsync`` of a folder raises ``code`` from now on; of a file it forces as before."""
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_folder_whose_flush_failed_is_never_passed_over(tmp_path, monkeypatch):
+    """Before: ``flush_folder`` passed over every `OSError` unless strict, an EIO from the flush itself too, so a
+    file renamed into place was taken for durable whose name a power loss could take back (`write_whole`)."""
+    failing_folders(monkeypatch, errno.EIO)
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        flushing.flush_folder(tmp_path)
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        flushing.write_whole(tmp_path / "a.json", b"new")
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EBADF, errno.ENOTSUP])
+def test_a_system_that_cannot_flush_a_folder_is_passed_over_unless_strict(tmp_path, monkeypatch, code):
+    failing_folders(monkeypatch, code)
+    flushing.flush_folder(tmp_path)
+    flushing.write_whole(tmp_path / "a.json", b"new")
+    assert (tmp_path / "a.json").read_bytes() == b"new"
+    with pytest.raises(OSError):
+        flushing.flush_folder(tmp_path, strict=True)

@@ -294,7 +294,6 @@ class DiskTier:
             pwrite_all(journal, memoryview(compacted), 0)
             os.fsync(journal)
             os.replace(partial, path)
-            flush_folder(path.parent)
         except OSError as error:
             os.close(journal)
             partial.unlink(missing_ok=True)
@@ -305,13 +304,11 @@ class DiskTier:
         self._files.append(journal)
         self._journal, self.appends = journal, self.appends + 1
         try:  # the rename itself made durable: a power cut brings the old journal back no more
-            folder = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(folder)
-            finally:
-                os.close(folder)
-        except OSError:
-            pass
+            flush_folder(self.folder)
+        except OSError as error:  # it may: no checkpoint after it is vouched for (`statekv.core.disk.forcing`)
+            self.force_failed = f"the folder's entries: {os_reason(error)}"
+            log.error("%s: cannot force the compacted journal's name to the device (%s); the stream is not "
+                      "checkpointed again", self.folder, self.force_failed)
 
     def _compaction_failed(self, error: OSError) -> None:
         if not self.compact_failed:
