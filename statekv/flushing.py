@@ -7,7 +7,8 @@ failed (EIO, ENOSPC, EDQUOT), Linux may have dropped the pages it could not writ
 fsync of the same file succeeds without them. What was written since the last flush that succeeded is therefore
 lost as far as its writer knows: the error reaches the caller, and the writer vouches for nothing written before
 it on the strength of a later flush (the disk tier refuses every checkpoint after it:
-`statekv.core.disk.forcing`). Only a system that cannot flush a folder at all is passed over where that is
+`statekv.core.disk.forcing`; the answers file takes the line back and writes no more:
+`statekv.eval.records.ResultsWriter`). Only a system that cannot flush a folder at all is passed over where that is
 allowed (`flush_folder`).
 """
 

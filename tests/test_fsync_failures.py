@@ -106,3 +106,27 @@ def test_a_system_that_cannot_flush_a_folder_is_passed_over_unless_strict(tmp_pa
     assert (tmp_path / "a.json").read_bytes() == b"new"
     with pytest.raises(OSError):
         flushing.flush_folder(tmp_path, strict=True)
+
+
+def test_an_answer_whose_fsync_failed_is_taken_back_and_nothing_written_after_it(tmp_path, monkeypatch):
+    """Before: its line stayed (counted answered by a rerun, though perhaps never on the device) and the next
+    answer's fsync, succeeding, vouched for it."""
+    from statekv.eval.parsing import DEFAULT_PARSER
+    from statekv.eval.prompts import DEFAULT_PROTOCOL
+    from statekv.eval.records import AnswerRecord, ResultsWriter, completed_qids
+
+    def record(qid: str) -> AnswerRecord:
+        return AnswerRecord(benchmark="synthetic", qid=qid, video_id="v0", prediction="A", parsed="A", correct=True,
+                            answer="A", letters="ABCD", parser=DEFAULT_PARSER, protocol=DEFAULT_PROTOCOL,
+                            model="builtin", method="statekv", budget=64, task_type="needle")
+
+    path = tmp_path / "answers.rank000.jsonl"
+    with ResultsWriter(path) as writer:
+        writer.write(record("q1"))
+        failing_once(monkeypatch, path.name)
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)) as error:
+            writer.write(record("q2"))
+        assert error.value.filename == str(path)
+        with pytest.raises(OSError, match="an earlier fsync failed"):
+            writer.write(record("q3"))
+    assert completed_qids(tmp_path) == {"q1"}

@@ -17,6 +17,7 @@ its newline kept or not (`durable_end`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -182,7 +183,9 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {  # fields not named here are strin
 
 
 class ResultsWriter:
-    """Appends one JSON line per record to ``path``; each ``write`` is durable when it returns."""
+    """Appends one JSON line per record to ``path``; each ``write`` is durable when it returns. A line whose fsync
+    fails is taken back (its question is asked again) and the writer writes no more: the pages that fsync could not
+    write may be dropped, and a later fsync succeeding would vouch for them (`statekv.flushing`)."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -190,15 +193,25 @@ class ResultsWriter:
         drop_unterminated_tail(self.path)
         made = not self.path.exists()
         self._file = self.path.open("a", encoding="utf-8")
+        self._failed: OSError | None = None  # the fsync that failed: nothing is written after it
         if made:  # its name on the device too, before the answers it will vouch for
             flush_folder(self.path.parent)
 
     def write(self, record: AnswerRecord) -> None:
         if not isinstance(record, AnswerRecord):
             raise TypeError(f"ResultsWriter writes AnswerRecord objects, got {type(record).__name__}")
+        if self._failed is not None:
+            raise OSError(self._failed.errno, f"{self._failed.strerror} (an earlier fsync failed)", str(self.path))
+        end = os.fstat(self._file.fileno()).st_size
         self._file.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as error:
+            self._failed = error
+            with contextlib.suppress(OSError):  # not counted answered: asked again
+                os.truncate(self._file.fileno(), end)
+            raise OSError(error.errno, error.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self._file.close()
