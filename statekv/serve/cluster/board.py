@@ -54,19 +54,20 @@ class ReplicaBoard:
     def forget_silent(self) -> list[str]:
         """Remove the posts of replicas silent for `FORGET_SECONDS` (killed, their node gone); returns their ids."""
         forgotten = []
-        for replica, age in self._ages():
+        for replica, age in self.ages().items():
             if age > FORGET_SECONDS and replica != self.replica:
                 (self.folder / f"{replica}.json").unlink(missing_ok=True)
                 forgotten.append(replica)
         return forgotten
 
-    def _ages(self) -> list[tuple[str, float]]:
-        """(replica id, seconds since its post) of each post named as a replica's id (`REPLICA_NAME`)."""
-        found, now = [], time.time()
+    def ages(self) -> dict[str, float]:
+        """Seconds since each replica's post, by the post's name (a replica's id, `REPLICA_NAME`), not by what it
+        says."""
+        found, now = {}, time.time()
         for path in sorted(self.folder.glob("*.json")):
             try:
                 if REPLICA_NAME.fullmatch(path.stem):
-                    found.append((path.stem, now - float(json.loads(path.read_text())["updated"])))
+                    found[path.stem] = now - float(json.loads(path.read_text())["updated"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         return found
@@ -138,18 +139,26 @@ class StoreBoard:
 
     def forget_silent(self) -> list[str]:
         """Remove the posts (and expired sessions) of replicas silent for `FORGET_SECONDS`; returns their ids."""
-        forgotten, now = [], time.time()
-        for name in self.store.names(f"{REPLICAS}/"):
-            replica = name.rsplit("/", 1)[-1].removesuffix(".json")
-            try:
-                age = now - float(json.loads(self.store.read(name) or b"null")["updated"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if REPLICA_NAME.fullmatch(replica) and age > FORGET_SECONDS and replica != self.replica:
+        forgotten = []
+        for replica, age in self.ages().items():
+            if age > FORGET_SECONDS and replica != self.replica:
                 self.store.remove(f"sessions/{replica}.json")
                 self.store.remove(f"{REPLICAS}/{replica}.json")
                 forgotten.append(replica)
         return forgotten
+
+    def ages(self) -> dict[str, float]:
+        """Seconds since each replica's post, by the post's name (a replica's id, `REPLICA_NAME`)."""
+        found, now = {}, time.time()
+        for name in self.store.names(f"{REPLICAS}/"):
+            replica = name.rsplit("/", 1)[-1].removesuffix(".json")
+            if not REPLICA_NAME.fullmatch(replica):
+                continue
+            try:
+                found[replica] = now - float(json.loads(self.store.read(name) or b"null")["updated"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        return found
 
     def _posts(self) -> list[tuple[dict[str, Any], float]]:
         found, now = [], time.time()

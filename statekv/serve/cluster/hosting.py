@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..entries import failure_reason, remove_tier
 from ..registry import StreamRegistry
 from ..store import join_state_folder
 from .board import POST_SECONDS, ReplicaBoard, StoreBoard
+from .dead_tiers import DeadTiers
 from .folder import SharedStreamFiles
 from .leases import LEASE_SECONDS, Leases
 from .objects import ObjectStore, StoreError
@@ -74,6 +74,7 @@ class ReplicaHosting(Hosting):
         self.shared: StreamRegistry | None = None
         self.own_uploads = ReplicaUploads(uploads_root(config.state_dir), replica)  # opened with the service
         self.passed = time.monotonic()  # when the lease loop last finished a pass
+        self.dead_tiers = DeadTiers(tier_root, replica, self.board)
 
     def open(self, config: ServeConfig) -> KeyRing:
         if config.state_dir is not None:
@@ -147,9 +148,7 @@ class ReplicaHosting(Hosting):
         while True:
             try:
                 await asyncio.to_thread(self.board.post, self.streams, service.metrics.exposition())
-                for gone in await asyncio.to_thread(self.board.forget_silent):
-                    if self.tier_root is not None:  # its streams came back elsewhere, from their saves
-                        await asyncio.to_thread(shutil.rmtree, self.tier_root / gone, True)
+                await asyncio.to_thread(self.board.forget_silent)
                 loads = {posted["replica"]: int(posted.get("streams") or 0)
                          for posted in await asyncio.to_thread(self.board.replicas) if posted.get("replica")}
             except OSError as error:
@@ -163,6 +162,10 @@ class ReplicaHosting(Hosting):
                     await self.shared.placement.rebalance(self.shared, loads)
                 except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
                     log.exception("balancing the streams between the replicas failed")
+                try:
+                    await asyncio.to_thread(self.dead_tiers.sweep, set(loads))
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
+                    log.exception("removing dead replicas' disk-tier folders failed")
             await asyncio.sleep(POST_SECONDS)
 
     def exposition(self, service: Any) -> bytes:

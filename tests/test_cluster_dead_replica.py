@@ -1,0 +1,94 @@
+"""A replica that dies (its process killed, its node lost) while it holds streams: what it left on its node's disk
+(its disk-tier folder) is removed by the replicas still running there, whichever replica forgot its post, and a
+folder that cannot be removed is said and tried again; its streams come back elsewhere from their last saves."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+import statekv  # noqa: E402
+from statekv.serve.cluster.board import FORGET_SECONDS, ReplicaBoard  # noqa: E402
+from statekv.serve.config import ServeConfig  # noqa: E402
+
+KEY = "cluster-key"
+
+
+def _until(check, seconds: float = 15.0):
+    deadline = time.monotonic() + seconds
+    while not (result := check()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return result
+
+
+def _aged(path: Path, seconds: float) -> None:
+    """``path`` (a folder, or a post on the board) last changed ``seconds`` ago."""
+    if path.suffix == ".json":
+        posted = json.loads(path.read_text())
+        path.write_text(json.dumps({**posted, "updated": time.time() - seconds}))
+    else:
+        os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
+def _tier_folder(root: Path, replica: str, age: float) -> Path:
+    """A replica's disk-tier folder with one stream's file set in it, unchanged for ``age`` seconds."""
+    (root / replica / "st_x").mkdir(parents=True)
+    (root / replica / "st_x" / "cache.bin").write_bytes(b"\0" * 4096)
+    _aged(root / replica, age)
+    return root / replica
+
+
+@pytest.mark.parametrize("case", ["forgotten on another node", "removal fails"])
+def test_a_dead_replicas_disk_tier_folder_is_removed_by_the_replicas_of_its_node(tmp_path, monkeypatch, caplog, case):
+    """Before: the folder was removed only by the replica that forgot the dead one's post, once, every error
+    ignored: when a replica on another node (another disk) forgot it first, or the removal failed (a file held open,
+    a disk read-only for a while), the dead replica's file sets stayed on the node's disk for good, unsaid."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.serve.cluster.hosting import ReplicaHosting
+
+    state, root = tmp_path / "state", tmp_path / "tier"
+    qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(root / "live"))
+    config = ServeConfig(options=qa.options, state_dir=state, api_keys=(KEY,), page=False)
+    dead = _tier_folder(root, "dead", FORGET_SECONDS + 60)
+    sibling = _tier_folder(root, "sibling", FORGET_SECONDS + 60)  # alive, its streams held for long
+    starting = _tier_folder(root, "starting", 1)  # a replica starting here, not posted yet
+    ReplicaBoard(state, "sibling").post(1, b"")
+    if case == "removal fails":
+        ReplicaBoard(state, "dead").post(2, b"")
+        _aged(state / "replicas" / "dead.json", FORGET_SECONDS + 1)
+    # else: its post is gone already, forgotten by a replica on another node
+    rmtree, stuck, tries = shutil.rmtree, {dead} if case == "removal fails" else set(), []
+
+    def failing_rmtree(path, ignore_errors=False, *args, **kwargs):  # as a folder whose files cannot be removed
+        if Path(path) == dead:
+            tries.append(ignore_errors)
+        if Path(path) in stuck:
+            if ignore_errors:
+                return None
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return rmtree(path, ignore_errors, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+    caplog.set_level(logging.INFO, "statekv.serve")
+    hosting = ReplicaHosting(config, "live", lease_seconds=10, tier_root=root)
+    with TestClient(create_app(config, qa=qa, hosting=hosting)):
+        if stuck:
+            assert _until(lambda: tries.count(False) >= 2)  # tried again at the next pass
+            said = [message for message in caplog.messages if str(dead) in message]
+            assert dead.exists() and len(said) == 1 and "Permission denied" in said[0], caplog.messages
+            assert "\n" not in said[0]
+            stuck.clear()
+        assert _until(lambda: not dead.exists()), caplog.messages
+        assert sibling.exists() and starting.exists()
+    assert any(f"removed {dead}" in message for message in caplog.messages)
