@@ -130,3 +130,17 @@ def test_an_answer_whose_fsync_failed_is_taken_back_and_nothing_written_after_it
         with pytest.raises(OSError, match="an earlier fsync failed"):
             writer.write(record("q3"))
     assert completed_qids(tmp_path) == {"q1"}
+
+
+def test_a_key_whose_name_could_not_be_forced_is_not_left_for_the_next_start(tmp_path, monkeypatch):
+    """Before: the key's digest stayed in ``keys.json`` though the start was refused and the key never shown, so
+    the next start made none and served under a key nobody holds."""
+    from statekv.errors import ConfigurationError
+    from statekv.serve.auth import KeyFile
+
+    failing_folders(monkeypatch, errno.EIO)
+    with pytest.raises(ConfigurationError, match=os.strerror(errno.EIO)):
+        KeyFile(tmp_path).make()
+    monkeypatch.undo()
+    assert KeyFile(tmp_path).stored() == [] and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert KeyFile(tmp_path).make() is not None

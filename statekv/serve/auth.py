@@ -87,7 +87,11 @@ class KeyFile:
             write_flushed(partial, (json.dumps(document, indent=1) + "\n").encode())  # on the disk before its name
             os.chmod(partial, 0o600)
             os.link(partial, self.path)  # fails when the file exists: one key per folder, whoever is first
-            flush_folder(self.path.parent)  # the name too: a power loss cannot take back a key already shown
+            try:
+                flush_folder(self.path.parent)  # the name too: a power loss cannot take back a key already shown
+            except OSError:  # never shown: left, the next start would serve under a key nobody holds
+                self.path.unlink(missing_ok=True)
+                raise
         except FileExistsError:
             return False
         except OSError as error:
