@@ -144,3 +144,15 @@ def test_a_key_whose_name_could_not_be_forced_is_not_left_for_the_next_start(tmp
     monkeypatch.undo()
     assert KeyFile(tmp_path).stored() == [] and sorted(p.name for p in tmp_path.iterdir()) == []
     assert KeyFile(tmp_path).make() is not None
+
+
+def test_an_answers_file_whose_name_could_not_be_forced_is_made_again_by_a_rerun(tmp_path, monkeypatch):
+    """Before: the file stayed, so the rerun, finding it, never forced its name, and each answer it wrote was said
+    durable while a power loss could take the file away with every answer in it."""
+    from statekv.eval.records import ResultsWriter
+
+    path = tmp_path / "answers.rank000.jsonl"
+    failing_folders(monkeypatch, errno.EIO)
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        ResultsWriter(path)
+    assert not path.exists()

@@ -195,7 +195,12 @@ class ResultsWriter:
         self._file = self.path.open("a", encoding="utf-8")
         self._failed: OSError | None = None  # the fsync that failed: nothing is written after it
         if made:  # its name on the device too, before the answers it will vouch for
-            flush_folder(self.path.parent)
+            try:
+                flush_folder(self.path.parent)
+            except OSError as error:  # made again by a rerun, whose flush then vouches for its name
+                self._file.close()
+                self.path.unlink(missing_ok=True)
+                raise OSError(error.errno, error.strerror, str(self.path)) from None
 
     def write(self, record: AnswerRecord) -> None:
         if not isinstance(record, AnswerRecord):
