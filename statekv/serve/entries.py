@@ -78,6 +78,7 @@ class StreamEntry:
     changes: list[int] = field(default_factory=lambda: [0, 0])  # changes asked to be recorded; recorded
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``changes``, ``leaving``
     leaving: set[str] = field(default_factory=set)  # watches being deleted: its records leave them out (`write_record`)
+    recorded_watches: frozenset[str] = frozenset()  # those the last record this start wrote names (under ``recording``)
 
     @property
     def frames(self) -> int:
@@ -122,12 +123,14 @@ class StreamEntry:
         folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
         return None if folder is None else Path(folder)
 
-    def write_record(self, files: Any, leaving: str | None = None) -> None:
+    def write_record(self, files: Any, leaving: str | None = None, opening: str | None = None) -> None:
         """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread,
         after a change: one write at a time, so the last written is the newest, and none for a change a write begun
         after it already holds; none once it is deleted, moved or closed (`retire`). ``leaving``: a watch to be
         closed once this returns (`left`), left out of this record and of every one after it; when this one cannot
-        be written (raised), none written has left it out, and the next names it again."""
+        be written (raised), none written has left it out, and the next names it again. ``opening``: a watch just
+        opened; when this one cannot be written and no record written names it (`recorded_watches`), none after it
+        does either until it is closed (`left`): a watch refused for its record is never on the disk."""
         with self.counting:
             if leaving is not None:
                 self.leaving.add(leaving)
@@ -138,14 +141,19 @@ class StreamEntry:
                 return
             with self.counting:  # the changes it holds and the watches it leaves out, as one
                 holding, left = self.changes[0], frozenset(self.leaving)
+            record = self.record(left)
             try:
-                files.write_record(self.record(left))
+                files.write_record(record)
             except BaseException:
                 if leaving is not None:
                     self.left(leaving)
+                if opening is not None and opening not in self.recorded_watches:
+                    with self.counting:
+                        self.leaving.add(opening)
                 raise
             self.changes[1] = holding
             self.run_unrecorded = False
+            self.recorded_watches = frozenset(data["id"] for data in record["watches"])
 
     def left(self, watch_id: str) -> None:
         """Its records leave watch ``watch_id`` out no longer: closed (then no record names it), or its deletion

@@ -48,7 +48,8 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
 async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> Any:
     """Open a watch on ``entry``'s stream (from the API or the page) and record it: its first answer is a question,
     so it takes one of ``--max-asks`` meanwhile (429 when none is free), and a watch a restart would not bring back
-    (its record cannot be written) is closed again (503)."""
+    (its record cannot be written, nor was one naming it by another change meanwhile) is closed again (503), every
+    record left without it (`StreamEntry.write_record`'s ``opening``)."""
     listener = service.watch_hub.listener(entry.id)
 
     def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
@@ -59,9 +60,16 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
         check_here(entry)
         watch = await service.worker.run(opened_here)
         try:
-            await asyncio.to_thread(entry.write_record, service.registry.files)
-        except (OSError, StateKVError) as error:
-            await service.worker.run(watch.close)
+            await asyncio.to_thread(entry.write_record, service.registry.files, None, watch.id)
+        except Exception as error:
+            if watch.id in entry.recorded_watches:  # a record written meanwhile (an answer, a save) holds it
+                log.warning("the record of stream %s naming its new watch %s was written by another change, though "
+                            "its own write failed (%s): the watch stands", entry.id, watch.id, error)
+                return watch
+            await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it is closed
+            entry.left(watch.id)
+            if not isinstance(error, (OSError, StateKVError)):
+                raise
             raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
     return watch
 

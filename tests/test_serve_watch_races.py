@@ -1,0 +1,98 @@
+"""Watches of `statekv serve` whose record and memory agree whatever runs beside their creation or deletion: another
+record write (an answer) at the exact moment a watch's own write runs, a client gone while a deletion is recorded.
+Each interleaving is forced by wrapping the record writes, never by waiting for it."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import threading
+
+import pytest
+
+pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
+pytest.importorskip("fastapi")
+
+from statekv.serve.entries import StreamEntry  # noqa: E402
+from statekv.serve.store import StreamFiles  # noqa: E402
+
+import test_serve_watches as serve_tests  # noqa: E402
+from test_serve_watches import COUNT, Running, push  # noqa: E402
+
+qa, pictures = serve_tests.qa, serve_tests.pictures  # its module's fixtures
+WATCH = {"question": COUNT, "every": 3, "max_new_tokens": 4}
+
+
+class FullDisk:
+    """`StreamFiles.write_record` failing with a full disk on the threads that ask it to (`failing`)."""
+
+    def __init__(self, monkeypatch):
+        self.here, real = threading.local(), StreamFiles.write_record
+
+        def write_record(files, record):
+            if getattr(self.here, "full", False):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(files, record)
+
+        monkeypatch.setattr(StreamFiles, "write_record", write_record)
+
+    def failing(self, write, *args):
+        """``write(*args)`` with this thread's record writes failing."""
+        self.here.full = True
+        try:
+            return write(*args)
+        finally:
+            self.here.full = False
+
+
+def _recorded(state, stream_id: str) -> list[str]:
+    return [watch["id"] for watch in json.loads((state / "streams" / f"{stream_id}.json").read_text())["watches"]]
+
+
+def _listed(client, stream_id: str) -> list[str]:
+    return [item["id"] for item in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]]
+
+
+@pytest.mark.parametrize("answered", ["before", "after"])
+def test_a_creation_refused_for_its_record_never_leaves_a_record_written_meanwhile_naming_the_watch(
+        tmp_path, qa, pictures, monkeypatch, answered):
+    """Before: a creation whose record write failed answered 503 ("it was not opened") and closed the watch, but an
+    answer recorded between the opening and the close (``before`` the creation's own write, or ``after`` it failed)
+    had written a record naming the watch, so a kill brought back a watch the client was told was not opened. Now
+    what it answers is what the disk holds: an answer recorded before names the watch, which stands (201); one
+    after its write failed leaves it out (503, no watch anywhere)."""
+    state, killed = tmp_path / "state", tmp_path / "killed"
+    disk, real = FullDisk(monkeypatch), StreamEntry.write_record
+    creating = threading.Event()
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+
+        def answer() -> None:  # another record write, from another request, at this exact moment
+            with server.client() as asker:
+                asked = asker.post(f"/v1/streams/{stream_id}/ask", json={"question": COUNT, "max_new_tokens": 2})
+                assert asked.status_code == 200, asked.text
+
+        def write_record(entry, files, *args, **kwargs):
+            if not creating.is_set():
+                return real(entry, files, *args, **kwargs)
+            creating.clear()  # the creation's own write, the watch open
+            if answered == "before":
+                answer()
+            try:
+                return disk.failing(real, entry, files, *args, **kwargs)
+            finally:
+                if answered == "after":
+                    answer()
+
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        creating.set()
+        made = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH)
+        assert not creating.is_set() and made.status_code in (201, 503), made.text
+        shutil.copytree(state, killed)  # a kill: what the disk holds now
+        listed, recorded = _listed(client, stream_id), _recorded(state, stream_id)
+    expected = [made.json()["id"]] if made.status_code == 201 else []
+    assert (made.status_code, listed, recorded) == ({"before": 201, "after": 503}[answered], expected, expected)
+    with Running(killed, qa) as server, server.client() as client:
+        assert _listed(client, stream_id) == expected
