@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import asyncio
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
 
+from statekv.serve import watch_routes  # noqa: E402
 from statekv.serve.entries import StreamEntry  # noqa: E402
 from statekv.serve.store import StreamFiles  # noqa: E402
 
@@ -96,3 +98,37 @@ def test_a_creation_refused_for_its_record_never_leaves_a_record_written_meanwhi
     assert (made.status_code, listed, recorded) == ({"before": 201, "after": 503}[answered], expected, expected)
     with Running(killed, qa) as server, server.client() as client:
         assert _listed(client, stream_id) == expected
+
+
+def test_a_deletion_whose_client_left_once_it_was_recorded_closes_the_watch_all_the_same(tmp_path, qa, pictures,
+                                                                                     monkeypatch):
+    """Before: a DELETE cancelled (its client gone) once its record, written without the watch, was on the disk left
+    the watch open and evaluated in memory while every record left it out, so a restart dropped a watch still
+    served. Now the close runs whatever happens to the request: memory, record and restart agree it is gone."""
+    state = tmp_path / "state"
+    real_write, real_close = StreamEntry.write_record, watch_routes.close_recorded
+    deleting: list[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = []
+
+    async def close_recorded(*args, **kwargs):  # the request's task, to cancel as a client gone would
+        deleting.append((asyncio.get_running_loop(), asyncio.current_task()))
+        return await real_close(*args, **kwargs)
+
+    def write_record(entry, files, *args, **kwargs):
+        real_write(entry, files, *args, **kwargs)
+        if deleting and args and args[0] is not None:  # the deletion's write, on the disk: its client leaves now
+            loop, task = deleting.pop()
+            loop.call_soon_threadsafe(task.cancel)
+
+    with Running(state, qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH).json()["id"]
+        monkeypatch.setattr(watch_routes, "close_recorded", close_recorded)
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        client.delete(f"/v1/streams/{stream_id}/watches/{watch}")  # its answer is lost with its client
+        assert not deleting
+        push(client, stream_id, pictures, 3, 6)  # a record written again, as the watch is evaluated or not
+        client.post(f"/v1/streams/{stream_id}/ask", json={"question": COUNT, "max_new_tokens": 2})
+        assert (_listed(client, stream_id), _recorded(state, stream_id)) == ([], [])
+    with Running(state, qa) as server, server.client() as client:
+        assert _listed(client, stream_id) == []

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -32,6 +33,7 @@ from .watches import (FeedEnd, changing_watches, described, event_id, find_watch
                       watch_settings)
 
 log = logging.getLogger("statekv.serve")
+T = TypeVar("T")
 KEEPALIVE_SECONDS = 15.0
 BACKLOG_EVENTS = 500  # the missed events sent together; the event loop serves others between two such parts
 
@@ -49,15 +51,15 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
     """Open a watch on ``entry``'s stream (from the API or the page) and record it: its first answer is a question,
     so it takes one of ``--max-asks`` meanwhile (429 when none is free), and a watch a restart would not bring back
     (its record cannot be written, nor was one naming it by another change meanwhile) is closed again (503), every
-    record left without it (`StreamEntry.write_record`'s ``opening``)."""
+    record left without it (`StreamEntry.write_record`'s ``opening``). A client gone meanwhile leaves it opened and
+    recorded, or closed, never halfway (`settled`)."""
     listener = service.watch_hub.listener(entry.id)
 
     def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
         check_here(entry)  # deleted, moved or damaged while the request waited
         return open_on(entry, settings, listener)
 
-    async with service.ask_slots.hold(), changing_watches(entry):
-        check_here(entry)
+    async def recorded() -> Any:
         watch = await service.worker.run(opened_here)
         try:
             await asyncio.to_thread(entry.write_record, service.registry.files, None, watch.id)
@@ -71,21 +73,47 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
             if not isinstance(error, (OSError, StateKVError)):
                 raise
             raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
-    return watch
+        return watch
+
+    async with service.ask_slots.hold(), changing_watches(entry):
+        check_here(entry)
+        return await settled(recorded())
 
 
 async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
     """Close ``watch`` of ``entry``'s stream (from the API or the page) once the stream's record, written without
     it, is on the disk; a deletion a restart would undo (the record cannot be written) leaves the watch open as it
     was, in memory and on disk (503). Called with the stream's watches held (`changing_watches`): a hand-over
-    waiting for them moves the stream with the record written here."""
-    try:
-        await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
-    except (OSError, StateKVError) as error:
-        raise _unrecorded_watch(service, entry, error, f"the deletion of watch {watch.id}",
-                                "it was not deleted") from None
-    await service.worker.run(watch.close)
-    entry.left(watch.id)
+    waiting for them moves the stream with the record written here. A client gone meanwhile leaves the watch closed
+    once its record is written, never open in memory alone (`settled`)."""
+    async def closed() -> None:
+        try:
+            await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
+        except (OSError, StateKVError) as error:
+            raise _unrecorded_watch(service, entry, error, f"the deletion of watch {watch.id}",
+                                    "it was not deleted") from None
+        await service.worker.run(watch.close)
+        entry.left(watch.id)
+
+    await settled(closed())
+
+
+async def settled(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even when the caller is cancelled meanwhile (its client gone), then raise that
+    cancellation (``work``'s own error, then, goes with it: logged where it is made): a change to a stream's
+    watches is never left halfway, its record saying one thing and its memory another."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: its error is not logged again as never retrieved
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def _unrecorded_watch(service: Any, entry: Any, error: BaseException, what: str, outcome: str) -> ServiceError:
