@@ -27,13 +27,14 @@ WATCH = {"question": COUNT, "every": 3, "max_new_tokens": 4}
 
 
 class FullDisk:
-    """`StreamFiles.write_record` failing with a full disk on the threads that ask it to (`failing`)."""
+    """`StreamFiles.write_record` failing with a full disk while ``full``, or on the threads that ask it to
+    (`failing`)."""
 
     def __init__(self, monkeypatch):
-        self.here, real = threading.local(), StreamFiles.write_record
+        self.here, self.full, real = threading.local(), False, StreamFiles.write_record
 
         def write_record(files, record):
-            if getattr(self.here, "full", False):
+            if self.full or getattr(self.here, "full", False):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(files, record)
 
@@ -132,3 +133,36 @@ def test_a_deletion_whose_client_left_once_it_was_recorded_closes_the_watch_all_
         assert (_listed(client, stream_id), _recorded(state, stream_id)) == ([], [])
     with Running(state, qa) as server, server.client() as client:
         assert _listed(client, stream_id) == []
+
+
+def test_a_watch_refused_for_its_record_sends_its_followers_no_event(tmp_path, qa, pictures, monkeypatch):
+    """Before: a new watch's first event (its first answer, at once) was sent to the stream's followers before its
+    record was written, so when that write failed (503, "it was not opened") they had been sent an event of a watch
+    that never was. Now a watch's events wait for its record: the refused one's are never sent, the next watch's
+    are, first of all."""
+    disk = FullDisk(monkeypatch)
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        heard: list[dict] = []
+        following, arrived = threading.Event(), threading.Event()
+
+        def follow() -> None:  # every event, till the server stops
+            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+                following.set()  # its headers come once it follows: every event made from now on is its
+                for line in events.iter_lines():
+                    if line.startswith("data: "):
+                        heard.append(json.loads(line[len("data: "):]))
+                        arrived.set()
+
+        threading.Thread(target=follow, daemon=True).start()
+        assert following.wait(30)
+        disk.full = True
+        refused = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH)
+        disk.full = False
+        assert refused.status_code == 503 and "it was not opened" in refused.text, refused.text
+        made = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH).json()["id"]
+        while made not in [item["watch"] for item in heard]:  # its first event, sent after the refused one's
+            assert arrived.wait(30)
+            arrived.clear()
+        assert [item["watch"] for item in heard] == [made]

@@ -29,8 +29,8 @@ from .healing import check_here
 from .limits import read_json
 from .routes import Served
 from .sse import EventStream
-from .watches import (FeedEnd, changing_watches, described, event_id, find_watch, last_seen, missed_events, open_on,
-                      watch_settings)
+from .watches import (FeedEnd, HeldEvents, changing_watches, described, event_id, find_watch, last_seen,
+                      missed_events, open_on, watch_settings)
 
 log = logging.getLogger("statekv.serve")
 T = TypeVar("T")
@@ -53,7 +53,7 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
     (its record cannot be written, nor was one naming it by another change meanwhile) is closed again (503), every
     record left without it (`StreamEntry.write_record`'s ``opening``). A client gone meanwhile leaves it opened and
     recorded, or closed, never halfway (`settled`)."""
-    listener = service.watch_hub.listener(entry.id)
+    listener = HeldEvents(service.watch_hub.listener(entry.id))  # none sent before the watch is recorded
 
     def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
         check_here(entry)  # deleted, moved or damaged while the request waited
@@ -67,12 +67,14 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
             if watch.id in entry.recorded_watches:  # a record written meanwhile (an answer, a save) holds it
                 log.warning("the record of stream %s naming its new watch %s was written by another change, though "
                             "its own write failed (%s): the watch stands", entry.id, watch.id, error)
-                return watch
-            await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it is closed
-            entry.left(watch.id)
-            if not isinstance(error, (OSError, StateKVError)):
-                raise
-            raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
+            else:
+                listener.drop()
+                await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it closes
+                entry.left(watch.id)
+                if not isinstance(error, (OSError, StateKVError)):
+                    raise
+                raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
+        listener.release()
         return watch
 
     async with service.ask_slots.hold(), changing_watches(entry):

@@ -337,6 +337,37 @@ class Follower:
         self.loop.call_soon_threadsafe(offer)
 
 
+class HeldEvents:
+    """A new watch's listener (`WatchHub.listener`) whose calls wait until the watch is recorded (`release`: then
+    made in order, and every later one at once), or go with it (`drop`): no follower is sent an event of a watch
+    the server answered was not opened, or that a restart would not bring back. Its ``failed`` (a count) waits for
+    nothing."""
+
+    def __init__(self, listener: Any):
+        self.listener, self.failed, self.lock = listener, getattr(listener, "failed", None), threading.Lock()
+        self.held: list[tuple[Watch, Any]] | None = []  # None once released
+        self.dropped = False
+
+    def __call__(self, watch: Watch, event: Any) -> None:
+        with self.lock:  # one released meanwhile makes its held calls first: this one waits for them
+            if self.dropped:
+                return
+            if self.held is not None:
+                self.held.append((watch, event))
+                return
+        self.listener(watch, event)
+
+    def release(self) -> None:
+        with self.lock:
+            held, self.held = self.held or [], None
+            for watch, event in held:
+                self.listener(watch, event)
+
+    def drop(self) -> None:
+        with self.lock:
+            self.held, self.dropped = [], True
+
+
 class WatchHub:
     """Every watch evaluation of a server reports here: counted (``statekv_watch_evaluations_total``, and
     ``statekv_watch_events_total`` for those whose answer changed, ``statekv_watch_failures_total`` for those that
