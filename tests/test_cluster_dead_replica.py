@@ -92,3 +92,34 @@ def test_a_dead_replicas_disk_tier_folder_is_removed_by_the_replicas_of_its_node
         assert _until(lambda: not dead.exists()), caplog.messages
         assert sibling.exists() and starting.exists()
     assert any(f"removed {dead}" in message for message in caplog.messages)
+
+
+@pytest.mark.parametrize("post", ["never posted", "post silent for long"])
+def test_a_replica_folder_whose_file_set_a_live_stream_holds_is_kept_whatever_the_board_says(tmp_path, caplog, post):
+    """Before: a replica whose posts failed for ten minutes (or whose post could not be read, or one of that name
+    running again before its first post) had its disk-tier folder removed under its live streams, their file sets
+    gone while they served. A file set a live stream holds (its lock) tells its replica is alive: the folder stays,
+    said once, and goes once no stream holds it."""
+    from statekv.locks import FolderLock
+    from statekv.serve.cluster.dead_tiers import DeadTiers
+
+    state, root = tmp_path / "state", tmp_path / "tier"
+    folder = _tier_folder(root, "stalled", FORGET_SECONDS + 60)
+    held = FolderLock.acquire(folder / "st_x", what="stream st_x", holder="stream 'st_x'")
+    board = ReplicaBoard(state, "live")
+    if post == "post silent for long":
+        ReplicaBoard(state, "stalled").post(1, b"")
+        _aged(state / "replicas" / "stalled.json", FORGET_SECONDS + 1)
+    caplog.set_level(logging.INFO, "statekv.serve")
+    sweeper = DeadTiers(root, "live", board)
+    try:
+        for _ in range(2):
+            sweeper.sweep({"live"})
+        assert (folder / "st_x" / "cache.bin").exists()
+        said = [message for message in caplog.messages if str(folder) in message]
+        assert len(said) == 1 and "in use" in said[0] and "\n" not in said[0], caplog.messages
+    finally:
+        held.release()
+    _aged(folder, FORGET_SECONDS + 60)
+    sweeper.sweep({"live"})  # no stream holds it now: dead
+    assert not folder.exists()
