@@ -123,3 +123,32 @@ def test_a_replica_folder_whose_file_set_a_live_stream_holds_is_kept_whatever_th
     _aged(folder, FORGET_SECONDS + 60)
     sweeper.sweep({"live"})  # no stream holds it now: dead
     assert not folder.exists()
+
+
+def test_a_dead_folder_removed_in_part_is_tried_again_at_the_next_pass(tmp_path, monkeypatch, caplog):
+    """Before: a removal that took some of the folder's file sets changed the folder (its time), so it was no longer
+    "unchanged for ten minutes" and was tried again only ten minutes later, not at each pass as said."""
+    from statekv.serve.cluster.dead_tiers import DeadTiers
+
+    root = tmp_path / "tier"
+    folder = _tier_folder(root, "dead", FORGET_SECONDS + 60)
+    (folder / "st_y").mkdir()
+    _aged(folder, FORGET_SECONDS + 60)
+    rmtree, stuck = shutil.rmtree, [True]
+
+    def partly(path, ignore_errors=False, *args, **kwargs):  # st_x goes, st_y will not (for now)
+        if Path(path) == folder and stuck:
+            rmtree(folder / "st_x", True)
+            if ignore_errors:
+                return None
+            raise PermissionError(errno.EACCES, "Permission denied", str(folder / "st_y"))
+        return rmtree(path, ignore_errors, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", partly)
+    caplog.set_level(logging.INFO, "statekv.serve")
+    sweeper = DeadTiers(root, "live", ReplicaBoard(tmp_path / "state", "live"))
+    sweeper.sweep({"live"})
+    assert folder.exists() and not (folder / "st_x").exists()
+    stuck.clear()
+    sweeper.sweep({"live"})
+    assert not folder.exists(), caplog.messages

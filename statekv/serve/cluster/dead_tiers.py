@@ -47,8 +47,8 @@ class DeadTiers:
                 self._remove(folder)
 
     def _candidates(self, live: set[str]) -> list[Path]:
-        """This node's folders of replicas not posting now, unchanged for `FORGET_SECONDS`: one just made by a
-        replica starting here, before its first post, is never among them."""
+        """This node's folders of replicas not posting now, unchanged for `FORGET_SECONDS` (or whose removal failed
+        part way): one just made by a replica starting here, before its first post, is never among them."""
         if self.tier_root is None:
             return []
         found, now = [], time.time()
@@ -56,8 +56,9 @@ class DeadTiers:
             for folder in self.tier_root.iterdir():
                 if folder.name == self.replica or folder.name in live or not REPLICA_NAME.fullmatch(folder.name):
                     continue
-                if folder.is_dir() and not folder.is_symlink() and now - folder.stat().st_mtime > FORGET_SECONDS:
-                    found.append(folder)
+                if folder.is_dir() and not folder.is_symlink() and (
+                        folder in self.stuck or now - folder.stat().st_mtime > FORGET_SECONDS):
+                    found.append(folder)  # one removed in part has changed since: tried again all the same
         except FileNotFoundError:
             return []  # no stream on the disk tier here yet
         return sorted(found)
