@@ -166,3 +166,58 @@ def test_a_watch_refused_for_its_record_sends_its_followers_no_event(tmp_path, q
             assert arrived.wait(30)
             arrived.clear()
         assert [item["watch"] for item in heard] == [made]
+
+
+def test_two_deletions_of_one_watch_at_once_one_failing_leave_it_out_of_the_others_record(monkeypatch):
+    """Two DELETEs of one watch at once (a feed runs: the watches are not locked): the first's record write fails
+    while the second waits to write; the second's record still leaves the watch out, as its 200 says."""
+    entry = StreamEntry(id="s", owner="o", settings={}, horizon_frames=None, max_fps=None, name="s", created=0.0,
+                        stream=None)
+    monkeypatch.setattr(entry, "record", lambda leaving=None: {"watches": [{"id": w} for w in ("w1", "w2")
+                                                                          if w not in (leaving or ())]})
+    second_waits, written = threading.Event(), []
+
+    class Counting:
+        """The entry's ``counting`` lock, telling how often it was taken."""
+
+        def __init__(self):
+            self.lock, self.taken = threading.Lock(), 0
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.taken += 1
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    entry.counting = Counting()
+
+    class Files:
+        def write_record(self, record):
+            if not written and not second_waits.is_set():
+                second_waits.wait(10)  # the second deletion has marked the watch and waits for this write
+                written.append(None)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written.append([watch["id"] for watch in record["watches"]])
+
+    first_failed = []
+
+    def first():
+        try:
+            entry.write_record(Files(), "w1")
+        except OSError:
+            first_failed.append(True)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    while not entry.recording.locked():
+        pass
+    second = threading.Thread(target=entry.write_record, args=(Files(), "w1"))
+    second.start()
+    while entry.counting.taken < 3:  # the first's mark and its record's; the second's mark
+        pass
+    second_waits.set()
+    thread.join(10)
+    second.join(10)
+    assert first_failed == [True]
+    assert written[-1] == ["w2"]  # the second deletion's record, answered 200: without the watch

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,8 @@ class StreamEntry:
     recording: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write of its record at a time
     changes: list[int] = field(default_factory=lambda: [0, 0])  # changes asked to be recorded; recorded
     counting: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``changes``, ``leaving``
-    leaving: set[str] = field(default_factory=set)  # watches being deleted: its records leave them out (`write_record`)
+    # watches being deleted (by how many changes at once): its records leave them out (`write_record`)
+    leaving: Counter[str] = field(default_factory=Counter)
     recorded_watches: frozenset[str] = frozenset()  # those the last record this start wrote names (under ``recording``)
 
     @property
@@ -133,7 +135,7 @@ class StreamEntry:
         does either until it is closed (`left`): a watch refused for its record is never on the disk."""
         with self.counting:
             if leaving is not None:
-                self.leaving.add(leaving)
+                self.leaving[leaving] += 1
             self.changes[0] += 1
             change = self.changes[0]
         with self.recording:
@@ -149,7 +151,7 @@ class StreamEntry:
                     self.left(leaving)
                 if opening is not None and opening not in self.recorded_watches:
                     with self.counting:
-                        self.leaving.add(opening)
+                        self.leaving[opening] += 1
                 raise
             self.changes[1] = holding
             self.run_unrecorded = False
@@ -159,7 +161,10 @@ class StreamEntry:
         """Its records leave watch ``watch_id`` out no longer: closed (then no record names it), or its deletion
         refused."""
         with self.counting:
-            self.leaving.discard(watch_id)
+            if self.leaving[watch_id] > 1:  # another change leaving it out too: its records still do
+                self.leaving[watch_id] -= 1
+            else:
+                self.leaving.pop(watch_id, None)
 
     async def keep_record(self, files: Any, what: str) -> None:
         """`write_record` off the event loop, for a change already made and answered (``what``: which, for the
