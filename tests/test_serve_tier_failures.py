@@ -58,5 +58,58 @@ def test_a_push_refused_because_the_offload_folder_fails_names_that_folder(tmp_p
         failing.clear()
     assert pushed[0].status_code == 200 and pushed[1].status_code == 503, pushed[1].text
     message = pushed[1].json()["error"]["message"]
-    assert message.endswith("push the frame again once the offload folder (--offload-dir) can be written"), message
+    assert "brings it back from its offload folder" in message, message  # a force failed: it is never saved again
     assert "state folder" not in message and str(tmp_path) not in message
+
+
+@pytest.mark.parametrize("fails", ["in a save", "in a step's checkpoint"])
+def test_a_stream_whose_force_failed_is_brought_back_from_its_folder(tmp_path, monkeypatch, fails):
+    """Before: every later push answered 503 "push the frame again once the offload folder can be written", for
+    good, though the stream would never checkpoint again (its force failed once: `DiskTier.force_failed`). Now the
+    server brings it back from its folder at its last checkpoint forced, and the client is told where to push again
+    from (409, ``resume_from``)."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+
+    if fails == "in a step's checkpoint":  # else only saves checkpoint: the frame after the last save is lost
+        monkeypatch.setattr(statekv.core.disk.tier, "CHECKPOINT_STEPS", 2)
+    qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
+    config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                         save_every_frames=100 if fails == "in a step's checkpoint" else 1)
+    fsync, failing = os.fsync, [False]
+
+    def fsync_or_fail(fd):  # the device under the offload folder failing once, as Linux's: clean pages after it
+        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
+            failing[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    headers = {"Authorization": "Bearer key"}
+    frames = [_png(image) for image in random_frames(8, 31, 48, 64)]
+    with TestClient(create_app(config, qa=qa)) as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
+
+        def push(index: int):
+            return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
+                               headers={**headers, "Content-Type": "image/png"})
+
+        for index in range(3):
+            assert push(index).status_code == 200
+        failing[0] = True
+        index, answer = 3, push(3)
+        while answer.status_code == 200 and index < 5:  # up to a step due a checkpoint
+            index, answer = index + 1, push(index + 1)
+        first = answer.json()["error"]["message"]
+        assert answer.status_code == 503 and "\n" not in first, first
+        assert "brings it back from its offload folder at its last checkpoint forced to the device" in first
+        again = push(index)
+        assert again.status_code == 409, again.text
+        resume_from = client.get(f"/v1/streams/{stream_id}", headers=headers).json()["resume_from"]
+        assert f"push again from frame {resume_from} (resume_from)" in again.json()["error"]["message"]
+        assert resume_from < index
+        for index in range(resume_from, len(frames)):
+            assert push(index).status_code == 200
+        described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
+    assert (described["frames"], described["pushed"], described["save_error"]) == (len(frames), len(frames), None)

@@ -33,7 +33,8 @@ from .creations import CreationNotes, end_creation
 from .entries import ANSWERS, DamagedStream, StreamEntry, failure_reason, remove_tier
 from .errors import ServiceError, reason_of
 from .feeding import FileFeeds
-from .healing import StreamHealer, check_has_frames, check_here, closed_by_handover
+from .healing import BROUGHT_BACK, StreamHealer, check_has_frames, check_here, closed_by_handover, to_bring_back, \
+    unforced
 from .loading import StreamLoader, unreadable
 from .metrics import Metrics
 from .page_record import HISTORY
@@ -314,6 +315,8 @@ class StreamRegistry:
                     f"cannot save the stream ({error.strerror or type(error).__name__})"
                 unsaved = entry.stream.pushed - entry.saved["pushed"]
                 self.note_save_failure(entry, error)
+                if unforced(entry) is not None:  # it checkpoints no more: a retry never saves it (`StreamHealer`)
+                    raise ServiceError(503, f"{why}; {BROUGHT_BACK}", headers={"Retry-After": "1"}) from None
                 raise ServiceError(503, f"{why}; this frame was not streamed and the stream is as it was: "
                                    f"{entry.stream.frames} frames ({unsaved} pushed since its last save, kept in "
                                    f"memory only); push the frame again once {not_written(entry, error, self.files)} "
@@ -441,7 +444,7 @@ class StreamRegistry:
         again a save period later; its failure is logged once (again if its reason changes), and once it saves."""
         now = time.monotonic()
         for entry in list(self.entries.values()):
-            if entry.dirty and not entry.deleted and not closed_by_handover(entry) and \
+            if entry.dirty and not entry.deleted and not to_bring_back(entry) and \
                     now - max(entry.saved_at, entry.save_tried_at) >= self.config.save_every_seconds:
                 try:
                     await self.worker.run(self.save_now, entry)
