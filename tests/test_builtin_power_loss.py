@@ -4,14 +4,17 @@ before it), so a resume neither goes back past a checkpoint it said it saved nor
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 
 from statekv.builtin.long_range import LongRange
 from statekv.builtin.training import LOG_FILE, STATE_FILE, Recipe, train
+from statekv.errors import OutputError
 
 
 def _watched(monkeypatch) -> list[tuple[str, str, int]]:
@@ -55,3 +58,35 @@ def test_each_checkpoint_is_forced_with_its_log_lines_before_and_its_name_after(
         start = commit
     lines = (out / LOG_FILE).read_bytes().splitlines(keepends=True)
     assert log_sizes == [len(lines[0]), len(lines[0]) + len(lines[1])]
+
+
+def test_a_log_whose_fsync_failed_stops_the_run_naming_the_log_and_a_rerun_goes_on_from_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    """Before: the error named the checkpoint (which was written and forced), not the log whose fsync failed, and
+    said the run goes on. Its lines since the last checkpoint may be lost (Linux may drop the pages a failed fsync
+    could not write): no checkpoint is written past them, the run stops saying so, and a rerun goes on from the
+    last checkpoint with the log cut back to it."""
+    recipe = Recipe(videos_per_batch=1, curriculum=((0, 1), (3, 1)), warmup_steps=1, log_every=1,
+                    checkpoint_every=1, long_range=LongRange(steps=0))
+    fsync, flushes = os.fsync, []
+
+    def failing_once(fd):  # the log's second flush, that of step 2's checkpoint
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == LOG_FILE:
+            flushes.append(fd)
+            if len(flushes) == 2:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", failing_once)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(OutputError) as error:
+            train(recipe, tmp_path, stop_after=2)
+        assert torch.load(tmp_path / STATE_FILE, weights_only=True)["step"] == 1
+        train(recipe, tmp_path, stop_after=2)
+    finally:
+        torch.set_num_threads(threads)
+    message = str(error.value)
+    assert "\n" not in message and f"cannot force the training log {tmp_path / LOG_FILE} to the device" in message
+    assert "rerun to go on from the last one written, 1 steps" in message
+    assert [line.split(b",")[0] for line in (tmp_path / LOG_FILE).read_bytes().splitlines()] == [b'{"step": 1',
+                                                                                                b'{"step": 2']

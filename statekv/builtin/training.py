@@ -346,15 +346,20 @@ def _save_state(out: Path, recipe: Recipe, model, optimizer, step: int, seconds:
     first (`UNFINISHED_STATE_FILE`): a stop between the two renames leaves it, and the resume takes it. The log
     lines of its steps are forced to the device before it, so a power loss cannot keep a checkpoint past them.
     ``marks``: how the run was made that its recipe does not say (``threads``, ``init``: `run_field`)."""
-    temporary = out / UNFINISHED_STATE_FILE
+    temporary, log = out / UNFINISHED_STATE_FILE, None
     try:
         torch.save({"recipe": recipe.to_dict(), "step": step, "seconds": seconds, "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), **marks}, temporary)
         flush_file(temporary)
         if (out / LOG_FILE).is_file():
-            flush_file(out / LOG_FILE)
+            log = out / LOG_FILE
+            flush_file(log)
     except (OSError, RuntimeError) as error:
         temporary.unlink(missing_ok=True)
+        if log is not None:  # never flushed again: a later flush would vouch for lines this one may have lost
+            raise OutputError(f"cannot force the training log {log} to the device ({write_failure(error)}), so no "
+                              f"checkpoint is written past its lines and the run stops: rerun to go on from the last "
+                              f"one written, {trained_steps(out)} steps (the log cut back to it)") from None
         raise OutputError(f"cannot write the training checkpoint {out / STATE_FILE} ({write_failure(error)}); "
                           f"the run goes on from the last one written, {trained_steps(out)} steps") from None
     _commit_state(out)
