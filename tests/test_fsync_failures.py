@@ -156,3 +156,29 @@ def test_an_answers_file_whose_name_could_not_be_forced_is_made_again_by_a_rerun
     with pytest.raises(OSError, match=os.strerror(errno.EIO)):
         ResultsWriter(path)
     assert not path.exists()
+
+
+def test_a_save_whose_folder_flush_failed_after_its_rename_says_the_file_there_is_the_new_one(adapter, tmp_path,
+                                                                                             monkeypatch):
+    """Before: the error said a file already there "is as it was", while the rename had put this save in its
+    place (a power loss alone may bring the old one back)."""
+    qa = tiny_qa(adapter)
+    stream = qa.stream(horizon_frames=8)
+    frames = random_frames(4)
+    for frame in frames[:2]:
+        stream.push(frame)
+    path = stream.save(tmp_path / "stream.safetensors")
+    for frame in frames[2:]:
+        stream.push(frame)
+    failing_folders(monkeypatch, errno.EIO)
+    with pytest.raises(OutputError) as error:
+        stream.save(path)
+    monkeypatch.undo()
+    message = str(error.value)
+    assert "\n" not in message and "is as it was" not in message, message
+    assert f"its folder could not be forced to the device ({os.strerror(errno.EIO)}); the file there now is this " \
+           "save, but a power loss may bring back the one it replaced" in message
+    loaded = Stream.load(path, qa)
+    assert loaded.frames == stream.frames == 4
+    loaded.close()
+    stream.close()

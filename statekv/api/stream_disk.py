@@ -32,8 +32,8 @@ from ..errors import InputError
 from ..flushing import write_whole
 from ..settings.values import HIGHEST_FPS, printable
 from ..video import Frame
-from .stream_file import (BOOLEAN, OWNERSHIP, SETTINGS, TEXT, integer_check, number_check, optional_check,
-                          record_check)
+from .json_checks import integer_check, number_check, optional_check, record_check
+from .stream_file import BOOLEAN, OWNERSHIP, SETTINGS, TEXT
 
 FORMAT = "statekv-disk-stream"
 FORMAT_VERSION = 2  # 1: named no file set

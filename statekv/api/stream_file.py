@@ -37,7 +37,6 @@ name may take, they follow its first 200 bytes and a digest of the whole instead
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import hashlib
 import json
@@ -56,6 +55,8 @@ from safetensors.torch import save_file
 
 from ..settings.engine import EngineSettings
 from .handover import OWN_LAYOUT, SUCCESSOR_LAYOUT
+from .json_checks import (dataclass_check, integer_check, list_check, number_check, optional_check, record_check,
+                          type_check)
 from .stats import EncodingStats
 from .step_lists import compacted, held, held_check, shown, step_set, steps_of
 from ..errors import InputError, OtherSetupError, OutputError
@@ -63,7 +64,7 @@ from ..flushing import flush_file, flush_folder
 from ..locks import FileLock
 from ..core.storage.step_values import StepValues
 from ..models import LayoutState
-from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_int, check_output_file, is_finite_number, printable
+from ..settings.values import HIGHEST_FPS, LATEST_TIMESTAMP, check_output_file, printable
 from ..video.sampling import tick
 
 FORMAT = "statekv-stream"
@@ -72,9 +73,6 @@ READ_VERSIONS = (2, FORMAT_VERSION)
 FINGERPRINT_SAMPLES = 256  # elements read from each parameter for the weights fingerprint
 MAX_METADATA_CHARS = 64 << 20  # the per-step lists in runs (`step_lists`): a steady stream's stay small at any age
 PARTIAL = re.compile(r"\.[0-9a-f]{8}\.partial")  # what follows the target's name in a save's partial file
-
-Check = Callable[[Any, str], Any]
-
 
 # -- checksums and fingerprints ---------------------------------------------------------------------------------
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -125,6 +123,7 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     lock = FileLock.acquire(path.with_name(_stem(path) + ".lock"), what=f"{where} (being saved)",
                             error=OutputError, advice="wait for that save to end, or save elsewhere",
                             remove=True)
+    renamed = False
     try:
         _remove_stale_partials(path)
         partial.mkdir()
@@ -133,10 +132,15 @@ def write_verified(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         if not lock.owns():
             raise _lock_lost(path)
         os.replace(written, path)
+        renamed = True
         flush_folder(path.parent)  # the new name, not only the data: a power loss then keeps this save
     except (OSError, SafetensorError) as error:
         if isinstance(error, OutputError):
             raise
+        if renamed:  # the file there is this save's now, but its name is not on the device
+            raise OutputError(f"cannot save the stream to {where}: its folder could not be forced to the device "
+                              f"({_reason(error)}); the file there now is this save, but a power loss may bring back "
+                              "the one it replaced (or none): save again once the folder can be written") from None
         if not lock.owns():  # the save that took the name may have removed this one's folder as a stale one
             raise _lock_lost(path) from None
         raise OutputError(f"cannot save the stream to {where}: {_reason(error)}; {UNCHANGED}") from None
@@ -406,78 +410,6 @@ def _reason(error: BaseException) -> str:
 
 
 # -- the schema -----------------------------------------------------------------------------------------------
-def integer_check(minimum: int = 0) -> Check:
-    # a saved count or tick is refused past int64 only: a clock of epoch seconds at a high rate ticks past 2^48
-    return lambda value, name: check_int(value, name, minimum=minimum, maximum=2**63 - 1, error=InputError)
-
-
-def number_check(*, positive: bool = False, highest: float | None = None) -> Check:
-    def check(value: Any, name: str) -> float:
-        if not is_finite_number(value) or value < 0 or (positive and value == 0):
-            raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-        if highest is not None and value > highest:
-            raise InputError(f"{name} must be at most {highest:g}, got {value!r}")
-        return value
-    return check
-
-
-def type_check(kind: type, description: str) -> Check:
-    def check(value: Any, name: str) -> Any:
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise InputError(f"{name} must be {description}, got {value!r}"[:200])
-        return value
-    return check
-
-
-def optional_check(check: Check) -> Check:
-    return lambda value, name: None if value is None else check(value, name)
-
-
-def list_check(check: Check, *, length: int | None = None) -> Check:
-    def check_list(value: Any, name: str) -> list:
-        if not isinstance(value, list) or (length is not None and len(value) != length):
-            size = f" of {length}" if length is not None else ""
-            raise InputError(f"{name} must be a list{size}, got {value!r}"[:200])
-        return [check(item, f"{name}[{index}]") for index, item in enumerate(value)]
-    return check_list
-
-
-def record_check(fields: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
-    """A JSON object with exactly ``fields``, and any of ``optional``, each checked."""
-    optional = optional or {}
-    def check(value: Any, name: str) -> dict:
-        if not isinstance(value, dict):
-            raise InputError(f"{name} must be an object, got {value!r}"[:200])
-        missing = [key for key in fields if key not in value]
-        unknown = [key for key in value if key not in fields and key not in optional]
-        if missing or unknown:
-            problem = f"lacks {missing[0]!r}" if missing else f"has unknown field {unknown[0]!r}"
-            raise InputError(f"{name} {problem}")
-        every = {**fields, **{key: check for key, check in optional.items() if key in value}}
-        return {key: every[key](value[key], f"{name}.{key}") for key in every}
-    return check
-
-
-def dataclass_check(cls: type, optional: tuple[str, ...] = ()) -> Check:
-    """A record of a dataclass's fields, each checked by its default: counts, lists of seconds, optional counts,
-    mappings; those named in ``optional`` may be absent."""
-    checks: dict[str, Check] = {}
-    for field in dataclasses.fields(cls):
-        factory = field.default_factory
-        if factory is list:
-            checks[field.name] = list_check(number_check())
-        elif factory is dict:
-            checks[field.name] = type_check(dict, "an object")
-        elif field.default is None:
-            checks[field.name] = optional_check(integer_check())
-        elif isinstance(field.default, float):
-            checks[field.name] = number_check()
-        else:
-            checks[field.name] = integer_check()
-    return record_check({k: v for k, v in checks.items() if k not in optional},
-                   {k: v for k, v in checks.items() if k in optional})
-
-
 TEXT = type_check(str, "a string")
 TIME = number_check(highest=LATEST_TIMESTAMP)  # a stream's seconds (`statekv.api.stream.checked_timestamp`)
 BOOLEAN = type_check(bool, "true or false")
