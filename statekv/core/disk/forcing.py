@@ -26,8 +26,9 @@ def refuse_unforced(tier: DiskTier) -> None:
     """A one-line `OutputError` if a force of ``tier``'s files failed before: nothing it writes is vouched for."""
     if tier.force_failed is not None:
         raise OutputError(f"cannot force the disk cache in {tier.folder} to the device: an earlier force failed "
-                          f"({tier.force_failed}), so what was written since its last checkpoint may never reach it; it is not checkpointed "
-                          "again: close the stream, and Stream.load resumes it from that checkpoint")
+                          f"({tier.force_failed}), so what was written since its last checkpoint may never reach it; "
+                          "it is not checkpointed again: close the stream, and Stream.load resumes it from that "
+                          "checkpoint")
 
 
 def force(tier: DiskTier, fds: dict[int, str], *, layers: bool, folder: bool) -> None:
