@@ -441,7 +441,7 @@ def test_a_watch_deleted_as_its_stream_moves_stays_deleted_on_the_replica_that_t
             apps[1].state.service.registry.files.ask_handoff(stream_id)
             first.portal.call(registry.keep_leases)  # the holder's pass over its leases, now
             handed.wait(WAIT_SECONDS)
-            write_record(files, *leaving)
+            return write_record(files, *leaving)
 
         registry.placement.hand_over, entry.write_record = hand_over_told, write_once_handed_over
         deleted = first.delete(f"/v1/streams/{stream_id}/watches/{watch_id}", headers=headers)

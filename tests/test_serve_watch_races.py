@@ -115,10 +115,11 @@ def test_a_deletion_whose_client_left_once_it_was_recorded_closes_the_watch_all_
         return await real_close(*args, **kwargs)
 
     def write_record(entry, files, *args, **kwargs):
-        real_write(entry, files, *args, **kwargs)
+        written = real_write(entry, files, *args, **kwargs)
         if deleting and args and args[0] is not None:  # the deletion's write, on the disk: its client leaves now
             loop, task = deleting.pop()
             loop.call_soon_threadsafe(task.cancel)
+        return written
 
     with Running(state, qa) as server, server.client() as client:
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
@@ -221,3 +222,31 @@ def test_two_deletions_of_one_watch_at_once_one_failing_leave_it_out_of_the_othe
     second.join(10)
     assert first_failed == [True]
     assert written[-1] == ["w2"]  # the second deletion's record, answered 200: without the watch
+
+
+def test_a_deletion_the_shutdown_left_unrecorded_is_refused_and_the_watch_comes_back(tmp_path, qa, pictures,
+                                                                                   monkeypatch):
+    """Before: a DELETE whose record write came once the server, stopping, had saved and closed the stream (its
+    last record, naming the watch, written) answered 200, though no record could leave the watch out any more, so
+    the next start brought it back. Now it is refused with a one-line 503 (Retry-After), and the watch is back."""
+    state, real = tmp_path / "state", StreamEntry.write_record
+    with Running(state, qa) as server, server.client() as client:
+        registry = server.app.state.service.registry
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH).json()["id"]
+
+        def write_record(entry, files, *args, **kwargs):
+            if args and args[0] is not None:  # the deletion's write: the shutdown saves and closes first
+                registry.save_all()
+                registry.close_all()
+            return real(entry, files, *args, **kwargs)
+
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        refused = client.delete(f"/v1/streams/{stream_id}/watches/{watch}")
+        monkeypatch.setattr(StreamEntry, "write_record", real)
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert "\n" not in refused.json()["error"]["message"]
+        assert _recorded(state, stream_id) == [watch]
+    with Running(state, qa) as server, server.client() as client:
+        assert _listed(client, stream_id) == [watch]

@@ -125,12 +125,13 @@ class StreamEntry:
         folder = getattr(getattr(self.stream, "durability", None), "folder", None)  # RecentFrames keeps no cache
         return None if folder is None else Path(folder)
 
-    def write_record(self, files: Any, leaving: str | None = None, opening: str | None = None) -> None:
+    def write_record(self, files: Any, leaving: str | None = None, opening: str | None = None) -> bool:
         """Write its record through ``files`` (`StreamFiles.write_record`) as it is when written, from any thread,
         after a change: one write at a time, so the last written is the newest, and none for a change a write begun
-        after it already holds; none once it is deleted, moved or closed (`retire`). ``leaving``: a watch to be
-        closed once this returns (`left`), left out of this record and of every one after it; when this one cannot
-        be written (raised), none written has left it out, and the next names it again. ``opening``: a watch just
+        after it already holds; none once it is deleted, moved or closed (`retire`): then False, the change in no
+        record (True: it is in one on the disk). ``leaving``: a watch to be closed once this returns True (`left`),
+        left out of this record and of every one after it; when this one cannot be written (raised, or False), none
+        written has left it out, and the next names it again. ``opening``: a watch just
         opened; when this one cannot be written and no record written names it (`recorded_watches`), none after it
         does either until it is closed (`left`): a watch refused for its record is never on the disk."""
         with self.counting:
@@ -139,8 +140,12 @@ class StreamEntry:
             self.changes[0] += 1
             change = self.changes[0]
         with self.recording:
-            if self.deleted or self.moved or self.closed or self.changes[1] >= change:
-                return
+            if self.changes[1] >= change:
+                return True
+            if self.deleted or self.moved or self.closed:
+                if leaving is not None:
+                    self.left(leaving)
+                return False
             with self.counting:  # the changes it holds and the watches it leaves out, as one
                 holding, left = self.changes[0], frozenset(self.leaving)
             record = self.record(left)
@@ -156,6 +161,7 @@ class StreamEntry:
             self.changes[1] = holding
             self.run_unrecorded = False
             self.recorded_watches = frozenset(data["id"] for data in record["watches"])
+        return True
 
     def left(self, watch_id: str) -> None:
         """Its records leave watch ``watch_id`` out no longer: closed (then no record names it), or its deletion

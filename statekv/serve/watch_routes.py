@@ -84,16 +84,22 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
 
 async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
     """Close ``watch`` of ``entry``'s stream (from the API or the page) once the stream's record, written without
-    it, is on the disk; a deletion a restart would undo (the record cannot be written) leaves the watch open as it
-    was, in memory and on disk (503). Called with the stream's watches held (`changing_watches`): a hand-over
-    waiting for them moves the stream with the record written here. A client gone meanwhile leaves the watch closed
+    it, is on the disk; a deletion a restart would undo (the record cannot be written, or is written no more: the
+    server stopping closed the stream) leaves the watch open as it was, in memory and on disk (503). Called with
+    the stream's watches held (`changing_watches`): a hand-over waiting for them moves the stream with the record
+    written here. A client gone meanwhile leaves the watch closed
     once its record is written, never open in memory alone (`settled`)."""
     async def closed() -> None:
         try:
-            await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
+            written = await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
         except (OSError, StateKVError) as error:
             raise _unrecorded_watch(service, entry, error, f"the deletion of watch {watch.id}",
                                     "it was not deleted") from None
+        if not written:  # no record is written any more: its last one names the watch
+            check_here(entry)  # deleted or moved meanwhile
+            raise ServiceError(503, f"the server is stopping: the deletion of watch {watch.id} cannot be recorded; "
+                               "it was not deleted: delete it again once the server is back",
+                               headers={"Retry-After": "10"})
         await service.worker.run(watch.close)
         entry.left(watch.id)
 
