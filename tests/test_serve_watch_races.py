@@ -250,3 +250,27 @@ def test_a_deletion_the_shutdown_left_unrecorded_is_refused_and_the_watch_comes_
         assert _recorded(state, stream_id) == [watch]
     with Running(state, qa) as server, server.client() as client:
         assert _listed(client, stream_id) == [watch]
+
+
+def test_a_creation_the_shutdown_left_unrecorded_is_refused(tmp_path, qa, pictures, monkeypatch):
+    """Before: a watch opened once the stopping server had saved the stream, its record write coming once the
+    stream was closed, answered 201 though no record named it, so the next start had no such watch. Now it is
+    refused with a one-line 503 (Retry-After), as one whose record cannot be written is."""
+    state, real = tmp_path / "state", StreamEntry.write_record
+    with Running(state, qa) as server, server.client() as client:
+        registry = server.app.state.service.registry
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+
+        def write_record(entry, files, *args, **kwargs):
+            if len(args) > 1 and args[1] is not None:  # the creation's write: the shutdown has closed the stream
+                registry.close_all()
+            return real(entry, files, *args, **kwargs)
+
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        refused = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH)
+        monkeypatch.setattr(StreamEntry, "write_record", real)
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert "\n" not in refused.json()["error"]["message"] and _recorded(state, stream_id) == []
+    with Running(state, qa) as server, server.client() as client:
+        assert _listed(client, stream_id) == []

@@ -50,30 +50,40 @@ async def create_watch(stream_id: str, request: Request, service: Served) -> dic
 async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> Any:
     """Open a watch on ``entry``'s stream (from the API or the page) and record it: its first answer is a question,
     so it takes one of ``--max-asks`` meanwhile (429 when none is free), and a watch a restart would not bring back
-    (its record cannot be written, nor was one naming it by another change meanwhile) is closed again (503), every
-    record left without it (`StreamEntry.write_record`'s ``opening``). A client gone meanwhile leaves it opened and
-    recorded, or closed, never halfway (`settled`)."""
+    (its record cannot be written, or is written no more: the stopping server closed the stream; nor was one naming
+    it written by another change meanwhile) is closed again (503), every record left without it
+    (`StreamEntry.write_record`'s ``opening``). A client gone meanwhile leaves it opened and recorded, or closed,
+    never halfway (`settled`)."""
     listener = HeldEvents(service.watch_hub.listener(entry.id))  # none sent before the watch is recorded
 
     def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
         check_here(entry)  # deleted, moved or damaged while the request waited
         return open_on(entry, settings, listener)
 
+    async def unopened(watch: Any) -> None:
+        listener.drop()
+        await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it closes
+        entry.left(watch.id)
+
     async def recorded() -> Any:
         watch = await service.worker.run(opened_here)
         try:
-            await asyncio.to_thread(entry.write_record, service.registry.files, None, watch.id)
+            written = await asyncio.to_thread(entry.write_record, service.registry.files, None, watch.id)
         except Exception as error:
             if watch.id in entry.recorded_watches:  # a record written meanwhile (an answer, a save) holds it
                 log.warning("the record of stream %s naming its new watch %s was written by another change, though "
                             "its own write failed (%s): the watch stands", entry.id, watch.id, error)
             else:
-                listener.drop()
-                await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it closes
-                entry.left(watch.id)
+                await unopened(watch)
                 if not isinstance(error, (OSError, StateKVError)):
                     raise
                 raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
+        else:
+            if not written and watch.id not in entry.recorded_watches:  # no record is written any more, none names it
+                await unopened(watch)
+                check_here(entry)  # deleted or moved meanwhile
+                raise ServiceError(503, "the server is stopping: a new watch cannot be recorded; it was not opened: "
+                                   "open it again once the server is back", headers={"Retry-After": "10"})
         listener.release()
         return watch
 
