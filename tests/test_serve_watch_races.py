@@ -274,3 +274,41 @@ def test_a_creation_the_shutdown_left_unrecorded_is_refused(tmp_path, qa, pictur
         assert "\n" not in refused.json()["error"]["message"] and _recorded(state, stream_id) == []
     with Running(state, qa) as server, server.client() as client:
         assert _listed(client, stream_id) == []
+
+
+def test_a_watch_refused_for_its_record_is_in_no_backlog_of_a_follower_come_back_meanwhile(tmp_path, qa, pictures,
+                                                                                         monkeypatch):
+    """Before: a client following again (with Last-Event-ID) while a new watch's record was written was sent, among
+    the events it missed, that watch's first event, though the live feed held it back till the record; when the
+    write then failed (503, "it was not opened") the client had an event of a watch that never was. Now the backlog
+    leaves out the events of a watch not yet recorded."""
+    disk, real = FullDisk(monkeypatch), StreamEntry.write_record
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        first = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH).json()["id"]
+        heard: list[str] = []
+        backlog_sent = threading.Event()
+
+        def follow() -> None:  # missed every event, till the stream is deleted
+            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events",
+                                                          headers={"Last-Event-ID": f"0.{first}"}) as events:
+                for line in events.iter_lines():
+                    if line.startswith("data: "):
+                        heard.append(json.loads(line[len("data: "):]).get("watch"))
+                        backlog_sent.set()  # its backlog is read whole before any of it is sent
+
+        def write_record(entry, files, *args, **kwargs):
+            if len(args) < 2 or args[1] is None:
+                return real(entry, files, *args, **kwargs)
+            reader.start()  # the new watch opened, its record not yet written: a follower comes back now
+            assert backlog_sent.wait(30)
+            return disk.failing(real, entry, files, *args, **kwargs)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        refused = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH)
+        assert refused.status_code == 503 and "it was not opened" in refused.text, refused.text
+        assert client.delete(f"/v1/streams/{stream_id}").status_code in (200, 204)  # its followers' feeds end
+        reader.join(30)
+        assert not reader.is_alive() and heard[0] == first and set(heard) == {first, None}, heard

@@ -81,6 +81,8 @@ class StreamEntry:
     # watches being deleted (by how many changes at once): its records leave them out (`write_record`)
     leaving: Counter[str] = field(default_factory=Counter)
     recorded_watches: frozenset[str] = frozenset()  # those the last record this start wrote names (under ``recording``)
+    # watches opened whose record is not written yet: in no follower's backlog till it is (`missed_events`)
+    opening: set[str] = field(default_factory=set)
 
     @property
     def frames(self) -> int:

@@ -64,6 +64,11 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
         listener.drop()
         await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it closes
         entry.left(watch.id)
+        entry.opening.discard(watch.id)  # closed first: a backlog read meanwhile leaves it out all the same
+
+    def recorded_now(watch: Any) -> None:
+        entry.opening.discard(watch.id)  # first: a follower whose backlog left it out is sent its held events
+        listener.release()
 
     async def recorded() -> Any:
         watch = await service.worker.run(opened_here)
@@ -84,7 +89,7 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
                 check_here(entry)  # deleted or moved meanwhile
                 raise ServiceError(503, "the server is stopping: a new watch cannot be recorded; it was not opened: "
                                    "open it again once the server is back", headers={"Retry-After": "10"})
-        listener.release()
+        recorded_now(watch)
         return watch
 
     async with service.ask_slots.hold(), changing_watches(entry):
@@ -258,7 +263,7 @@ def _backlog(entry: Any, after: tuple[int, int, str]) -> tuple[list[str], set[st
     """The events a follower of ``entry``'s stream missed since ``after`` (`missed_events`): their server-sent text
     in parts of `BACKLOG_EVENTS`, oldest first, and their ids."""
     runs = entry.event_runs
-    missed = missed_events(entry.stream, after, runs)
+    missed = missed_events(entry.stream, after, runs, entry.opening)
     parts = ["".join(_watch_event(item, runs) for item in missed[start:start + BACKLOG_EVENTS])
              for start in range(0, len(missed), BACKLOG_EVENTS)]
     return parts, {event_id(item, runs) for item in missed}

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -121,12 +121,14 @@ def open_on(entry: Any, settings: dict[str, Any], listener: Any) -> Watch:
         watch = open_watch(stream, settings["question"], evaluate_now=False, every=settings["every"],
                            every_seconds=settings["every_seconds"], max_new_tokens=settings["max_new_tokens"],
                            steer=stream.qa.steer, retrieve=retrieve)
+        entry.opening.add(watch.id)  # before its first event: none of its events is in a backlog till recorded
         watch.subscribe(listener, getattr(listener, "failed", None))
         if holds_frames(stream):
             try:
                 run_evaluations([watch], raise_errors=True)
             except BaseException:
                 watch.close()
+                entry.opening.discard(watch.id)
                 raise
     return watch
 
@@ -286,20 +288,27 @@ def last_seen(value: str | None, name: str = "Last-Event-ID") -> tuple[int, int,
     return int(run or 0), int(frame), watch_id
 
 
-def missed_events(stream: Any, after: tuple[int, int, str], runs: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def missed_events(stream: Any, after: tuple[int, int, str], runs: list[dict[str, Any]] = (),
+                  opening: Container[str] = ()) -> list[dict[str, Any]]:
     """The kept events of ``stream``'s open watches that come after the event ``after`` (`last_seen`), oldest
     first, as they were sent: by run (``runs``: `event_run`), then frame, a frame's events in the order the watches
     were opened (`Watches.places`), one deleted since placed where it stood (after a restart too: `watch_order`). A
     client that saw an event of a watch the stream does not know (closed before the latest
-    `statekv.api.watch.KEPT_PLACES`, or never its own) is sent every event of that frame again."""
+    `statekv.api.watch.KEPT_PLACES`, or never its own) is sent every event of that frame again. A watch in
+    ``opening`` (its record not written yet: its live events are held back till it is, `HeldEvents`), or closed
+    meanwhile, is left out."""
     run, frame, watch_id = after
     watching = stream.watching
     if watching is None:
         return []
     places = dict(watching.places)  # as they stand now: the model's thread may open or close one meanwhile
     cut = (run, frame, places.get(watch_id, -1))
-    missed = [((event_run(runs, watch.id, event.frame), event.frame, places[watch.id]), followed_event(watch, event))
-              for watch in list(watching.open) if watch.id in places for event in list(watch.events)]
+    missed = []
+    for watch in list(watching.open):
+        events = list(watch.events)  # before it is checked: one opened adds itself to ``opening`` before any event
+        if watch.id in places and watch.id not in opening and not watch.closed:
+            missed += [((event_run(runs, watch.id, event.frame), event.frame, places[watch.id]),
+                        followed_event(watch, event)) for event in events]
     return [item for key, item in sorted(missed, key=lambda pair: pair[0]) if key > cut]
 
 
