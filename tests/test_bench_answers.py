@@ -99,3 +99,15 @@ def test_an_answer_streamed_without_text_is_a_failed_request_with_its_reason(eve
     row = summarize(Run(1, 0.0, frames + [empty]), fps=1.0, duration=10.0, targets=Targets(), mean_batch=None)
     assert (row["answers"], row["failures"], row["goodput_streams"]) == (0, 1, 0) and row["ttft_p50_s"] is None
     assert row["errors"] == ["an empty answer: the server streamed no text"]
+
+
+@pytest.mark.parametrize("route, lines", [
+    ("ask", ["event: error", 'data: {"error": "the model ran out of memory"}', ""]),
+    ("chat", ['data: {"error": "the model ran out of memory"}', ""]),
+])
+def test_an_error_event_whose_error_is_a_string_fails_the_request_with_that_reason(route, lines):
+    """Before: an error event whose ``error`` was a string, not an object, raised AttributeError, which the request
+    did not catch, so it was misreported as not answered after the run. Now it fails with the string as its
+    reason."""
+    request = _read(route, *lines)
+    assert request.error == "the model ran out of memory" and request.first_token is None

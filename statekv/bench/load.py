@@ -322,13 +322,13 @@ async def read_answer(request: Request, lines: AsyncIterator[str], route: str,
                 break
             chunk = _body(data)
             if "error" in chunk:
-                request.error = str(chunk["error"].get("message", chunk["error"]))[:200]
+                request.error = _reason(chunk["error"], data)
                 return
             request.tokens = _completion_tokens(chunk) or request.tokens
             if ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
                 request.chunks.append(clock())
         elif event == "error":
-            request.error = str(_body(data).get("error", {}).get("message", data))[:200]
+            request.error = _reason(_body(data).get("error"), data)
             return
         elif event == "answer":
             request.tokens = _completion_tokens(_body(data))
@@ -340,6 +340,14 @@ async def read_answer(request: Request, lines: AsyncIterator[str], route: str,
         request.error = "an empty answer: the server streamed no text"
         return
     request.first_token = request.chunks[0]
+
+
+def _reason(error: Any, data: str) -> str:
+    """Why an error event (``data``) says its request failed: its ``error``'s ``message`` (an object), the
+    ``error`` itself (a string or anything else), else the whole event; at most 200 characters."""
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    return str(data if error is None else error)[:200]
 
 
 def _body(data: str) -> dict[str, Any]:
