@@ -88,3 +88,43 @@ def test_a_run_counts_the_streams_the_server_refused_at_its_limit(monkeypatch):
     run = asyncio.run(run_load("http://server", "key", 2, settings, lambda camera: [b"jpeg"]))
     assert run.refused == 1 and run.setup_failures == ["HTTP 429: the server holds its limit of 1 streams"]
     assert summarize(run, 5.0, 0.2, Targets(), None)["streams_refused"] == 1
+
+
+
+def test_streams_whose_creation_failed_otherwise_are_not_counted_as_made(monkeypatch):
+    """Before: the streams a run made were its cameras less those refused (429), so a camera whose creation failed
+    otherwise (a 500) counted as made: of 3 cameras, one made, one failed, one refused, the server's limit read 2
+    streams, and the search tried 2 where the server makes 1."""
+    import asyncio
+
+    import httpx
+
+    from statekv.bench.load import run_load
+
+    created = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == "/v1/streams":
+            created.append(None)
+            if len(created) == 1:
+                return httpx.Response(201, json={"id": "st_0"})
+            if len(created) == 2:
+                return httpx.Response(500, json={"error": {"message": "internal error"}})
+            return httpx.Response(429, json={"error": {"message": "the server holds its limit of 1 streams"}})
+        return httpx.Response(200, json={"kept": True})
+
+    client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: client(transport=httpx.MockTransport(server), **kwargs))
+    settings = LoadSettings(fps=5.0, duration=0.2, question_rate=0.0, drain=0.0, warm_frames=1)
+    run = asyncio.run(run_load("http://server", "key", 3, settings, lambda camera: [b"jpeg"]))
+    three = summarize(run, 5.0, 0.2, Targets(), None)
+    tried = []
+
+    class Fake(Probe):
+        def __call__(self, count):
+            tried.append(count)
+            return three if count == 3 else _run(self, count)
+
+    probe = Fake("url", "key", LoadSettings(duration=4.0, drain=0.0), Targets(), None)
+    _, (most, complete) = probe.find_max(3, start=3)
+    assert probe.stream_limit == 1 and tried == [3, 1] and (most, complete) == (1, True)

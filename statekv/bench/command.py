@@ -381,7 +381,7 @@ class Probe:
             row = self(count)
             walls.setdefault(count, time.monotonic() - started)
             if row.get("streams_refused"):
-                made = count - row["streams_refused"]
+                made = count - row["streams_refused"] - row.get("streams_unmade", 0)
                 self.stream_limit = made if self.stream_limit is None else min(self.stream_limit, made)
             return held_all(row)
 

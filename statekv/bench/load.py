@@ -94,7 +94,8 @@ class Request:
 class Run:
     """What a run of ``streams`` cameras measured: every request, and when the clock started; ``undeleted``: why
     streams of the run could not be deleted after it (they would share the server with the next run); ``refused``:
-    the streams the server would not make as it held its limit of streams (429)."""
+    the streams the server would not make as it held its limit of streams (429); ``unmade``: those whose creation
+    failed otherwise (an error, no answer in time)."""
 
     streams: int
     start: float
@@ -102,6 +103,7 @@ class Run:
     setup_failures: list[str] = field(default_factory=list)
     undeleted: list[str] = field(default_factory=list)
     refused: int = 0
+    unmade: int = 0
 
 
 def schedule(streams: int, settings: LoadSettings, start: float) -> list[Request]:
@@ -165,7 +167,9 @@ async def run_load(url: str, key: str, streams: int, settings: LoadSettings, fra
             start = time.perf_counter() + 0.5
             run = Run(streams, start, schedule(streams, settings, start),
                       [error for _, error, _ in made if error is not None],
-                      refused=sum(at_limit for _, _, at_limit in made))
+                      refused=sum(at_limit for _, _, at_limit in made),
+                      unmade=sum(ids[stream] is None and error is not None and not at_limit
+                                 for stream, (_, error, at_limit) in enumerate(made)))
             for request in run.requests:
                 if request.stream in unready:
                     request.error = "its stream could not be made or warmed up"

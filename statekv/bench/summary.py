@@ -152,6 +152,7 @@ def summarize(run: Run, fps: float, duration: float, targets: Targets, mean_batc
         row[f"latency_p{q}_s"] = percentile(latencies, q)
     errors = sorted({r.error for r in run.requests if r.error} | set(run.setup_failures))
     row.update(held_streams=held, goodput_streams=goodput, failures=failed(run), streams_refused=run.refused,
+               streams_unmade=run.unmade,
                unsent=sum(r.sent is None for r in run.requests), mean_batch=mean_batch,
                mean_question_batch=mean_question_batch, server_ttft_mean_s=server_ttft_mean,
                question_send_late_p95_s=percentile(late, 95), errors=errors[:5])
