@@ -128,3 +128,25 @@ def test_streams_whose_creation_failed_otherwise_are_not_counted_as_made(monkeyp
     probe = Fake("url", "key", LoadSettings(duration=4.0, drain=0.0), Targets(), None)
     _, (most, complete) = probe.find_max(3, start=3)
     assert probe.stream_limit == 1 and tried == [3, 1] and (most, complete) == (1, True)
+
+
+def test_a_server_that_refuses_every_stream_is_said_to_in_one_clear_line(monkeypatch, tmp_path, capsys):
+    """Before: a search whose run the server refused every stream of (429: it held its limit, with others' streams)
+    reported "at least 0 streams (the server's limit of 0 streams: it refused more, 429)". Now it says the server
+    refused every stream."""
+    from statekv.cli import main
+
+    def refused(self: Probe, count: int) -> dict:
+        requests = [Request("frame", camera, due=k, error="its stream could not be made or warmed up")
+                    for camera in range(count) for k in range(4)]
+        run = Run(count, 0.0, requests, setup_failures=["HTTP 429: the server holds its limit"] * count, refused=count)
+        self.rows[count] = summarize(run, fps=1.0, duration=4.0, targets=Targets(), mean_batch=1.0)
+        return self.rows[count]
+
+    monkeypatch.setattr(Probe, "reach", lambda self, stopped=False: None)
+    monkeypatch.setattr(Probe, "warm_up", lambda self: None)
+    monkeypatch.setattr(Probe, "__call__", refused)
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--api-key", "k", "--find-max", "--fps", "1",
+                 "--duration", "4"]) == 1  # nothing measured
+    printed = capsys.readouterr().out
+    assert "0 stream" not in printed and "the server refused every stream" in printed, printed

@@ -225,10 +225,15 @@ def run(args: argparse.Namespace) -> int:
             why = "" if complete else f" (--time-limit {args.time_limit:g} s reached)"
             if held >= limit:
                 why = f" (the search's cap, --max-streams {limit})"
+            elif server_limit() == 0:  # its limit held with streams of others: how many it holds is not known
+                why = " (then the server refused every stream of a run, 429: its limit of streams)"
             elif held >= server_limit():
                 why = f" (the server's limit of {server_limit()} streams: it refused more, 429)"
-            print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
-                  f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
+            if held == 0 and server_limit() == 0:
+                print("\nthe server refused every stream (429: it holds its limit of streams): no camera was measured")
+            else:
+                print(f"\nheld at real time at {args.fps:g} fps with p95 TTFT <= {targets.ttft_target:g} s: "
+                      f"{'at least ' if why else ''}{held} stream{'s' * (held != 1)}{why}")
         if "json" in outputs:
             write_json(outputs["json"], document)
         if "plot" in outputs and rows:
