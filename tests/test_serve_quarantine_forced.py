@@ -57,3 +57,24 @@ def test_a_file_set_copied_into_the_quarantine_is_forced_to_the_device_before_it
     assert ("rename", moved.name) in before
     renamed = before.index(("rename", moved.name))
     assert ("folder", str(files.quarantine)) in before[renamed:], events  # the new name forced before removal
+
+
+def test_a_file_set_moved_whose_folders_could_not_be_forced_is_said_moved_not_left(tmp_path, monkeypatch, caplog):
+    """Before: the folders' flush after the rename raised (EIO), so the stream was said left where it was, since
+    it could not be moved, while it lay in the quarantine."""
+    files, stream_id = StreamFiles(tmp_path / "state"), "st_" + "d" * 24
+    folder = tmp_path / "tier" / "s-5678abcd"
+    folder.mkdir(parents=True)
+    (folder / "journal").write_bytes(b"x" * 100)
+    fsync = os.fsync
+
+    def failing(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with caplog.at_level("WARNING", logger="statekv.serve"):
+        where = files.move_to_quarantine(stream_id, folder)
+    assert not folder.exists() and (tmp_path / "state" / where / "journal").read_bytes() == b"x" * 100
+    assert any("could not be forced" in record.getMessage() for record in caplog.records)

@@ -475,7 +475,9 @@ class StreamFiles:
     def move_to_quarantine(self, stream_id: str, folder: Path) -> str:
         """Move a stream's disk-tier file set ``folder`` whole into ``quarantine/ID-TIME/`` (renamed; on another
         file system copied whole, then the original removed); returns where, relative to the state folder. An
-        `OSError` leaves the folder where it was."""
+        `OSError` leaves the folder where it was. A rename the device would not take for sure (its folders' flush
+        failed) is logged, not raised: it is done, and a power loss undoing it leaves the folder where it was, for
+        the next start to find again."""
         self.quarantine.mkdir(exist_ok=True)
         target = self.quarantine / f"{stream_id}-{int(time.time())}"
         while target.exists() or target.with_name(target.name + ".partial").exists():
@@ -498,8 +500,12 @@ class StreamFiles:
             # the copy is whole and on the device (a power loss cannot leave it zero-filled with the original gone):
             # whatever is left of the original is spare
             shutil.rmtree(folder, ignore_errors=True)
-        for parent in {self.quarantine, folder.parent}:
-            flush_folder(parent)
+        try:
+            for parent in {self.quarantine, folder.parent}:
+                flush_folder(parent)
+        except OSError as error:
+            log.warning("stream %s's file set was moved into the quarantine, but the move could not be forced to "
+                        "the device (%s): a power loss may move it back", stream_id, error.strerror or error)
         return f"{QUARANTINE}/{target.name}"
 
     def remove_quarantined(self, stream_id: str) -> None:
