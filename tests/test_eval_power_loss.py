@@ -118,3 +118,32 @@ def test_a_new_note_of_an_unreadable_video_has_its_name_forced_to_the_device(tmp
         log_video_error(tmp_path, 0, video, OSError("cannot read"), 0)
     assert forced_folders == [str(tmp_path)]
     assert [entry["qids"] for entry in unresolved_errors(tmp_path)] == [["v0001-needle"]]
+
+
+def test_a_note_file_whose_name_could_not_be_forced_is_made_again_by_the_next_note(tmp_path, monkeypatch):
+    """Before: the new file stayed, empty, when its folder's flush failed (EIO), so the next note appended to it
+    and never forced its name."""
+    import errno
+    import os
+    import stat
+    from types import SimpleNamespace
+
+    from statekv.eval.video_errors import log_video_error, unresolved_errors
+
+    video = SimpleNamespace(video_id="v0001", questions=[SimpleNamespace(qid="v0001-needle")])
+    fsync, folders = os.fsync, []
+
+    def failing(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            folders.append(fd)
+            if len(folders) == 1:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError):
+        log_video_error(tmp_path, 0, video, OSError("cannot read"), 0)
+    assert list(tmp_path.iterdir()) == []
+    log_video_error(tmp_path, 0, video, OSError("cannot read"), 0)
+    assert len(folders) == 2  # the next note made the file again and forced its name
+    assert [entry["qids"] for entry in unresolved_errors(tmp_path)] == [["v0001-needle"]]

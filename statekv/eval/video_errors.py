@@ -33,7 +33,11 @@ def log_video_error(out: Path, rank: int, video: VideoQuestions, error: Exceptio
     made = not path.exists()
     with path.open("a", encoding="utf-8") as file:
         if made:  # its name on the device too: a rerun and the merge read the notes only through it
-            flush_folder(out)
+            try:
+                flush_folder(out)
+            except OSError:  # made again by the next note, whose flush then forces its name
+                path.unlink(missing_ok=True)
+                raise
         file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         file.flush()
         os.fsync(file.fileno())
