@@ -59,3 +59,21 @@ def test_a_watch_deletion_whose_record_cannot_be_written_is_refused_and_the_watc
         assert [item["id"] for item in client.get(f"/v1/streams/{stream_id}/watches").json()["data"]] == [watch]
     with Running(tmp_path / "killed-after", qa) as server, server.client() as client:
         assert client.get(f"/v1/streams/{stream_id}/watches").json()["data"] == []
+
+
+def test_a_watch_refused_for_its_record_has_its_first_evaluation_counted(tmp_path, qa, pictures, monkeypatch):
+    """Before: a new watch's evaluations were counted only as its events were sent, once its record was written,
+    so the first answer of one refused for its record (503) was run on the model and counted nowhere, though a
+    failed one is counted (``statekv_watch_failures_total``). Now every evaluation is counted as it is made."""
+    from test_serve_watches import metric
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        before = metric(client, "statekv_watch_evaluations_total")
+        monkeypatch.setattr(StreamFiles, "write_record", _disk_full)
+        refused = client.post(f"/v1/streams/{stream_id}/watches", json={"question": COUNT, "every": 3})
+        monkeypatch.undo()
+        assert refused.status_code == 503 and "it was not opened" in refused.text, refused.text
+        assert metric(client, "statekv_watch_evaluations_total") - before == 1
+        assert metric(client, "statekv_watch_events_total") == 1  # its first answer: an event, never sent

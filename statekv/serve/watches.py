@@ -349,15 +349,19 @@ class Follower:
 class HeldEvents:
     """A new watch's listener (`WatchHub.listener`) whose calls wait until the watch is recorded (`release`: then
     made in order, and every later one at once), or go with it (`drop`): no follower is sent an event of a watch
-    the server answered was not opened, or that a restart would not bring back. Its ``failed`` (a count) waits for
-    nothing."""
+    the server answered was not opened, or that a restart would not bring back. What it counts (``counted``: its
+    evaluations, which the model ran whatever becomes of the watch) and its ``failed`` wait for nothing."""
 
     def __init__(self, listener: Any):
-        self.listener, self.failed, self.lock = listener, getattr(listener, "failed", None), threading.Lock()
+        self.counted = getattr(listener, "counted", None)
+        self.listener = listener if self.counted is None else listener.sent
+        self.failed, self.lock = getattr(listener, "failed", None), threading.Lock()
         self.held: list[tuple[Watch, Any]] | None = []  # None once released
         self.dropped = False
 
     def __call__(self, watch: Watch, event: Any) -> None:
+        if self.counted is not None:
+            self.counted(watch, event)
         with self.lock:  # one released meanwhile makes its held calls first: this one waits for them
             if self.dropped:
                 return
@@ -399,20 +403,28 @@ class WatchHub:
               registry=registry).set_function(lambda: float(failing()))
 
     def listener(self, stream_id: str):
-        """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`); its ``failed``,
-        after each that failed."""
+        """What a watch of stream ``stream_id`` calls after each evaluation (`Watch.subscribe`): it is ``counted``,
+        then its event ``sent`` to the stream's followers; its ``failed``, after each that failed."""
 
-        def heard(watch: Watch, event: Any) -> None:
+        def counted(watch: Watch, event: Any) -> None:
             self.evaluations.inc()
+            if event is not None:
+                self.events.inc()
+
+        def sent(watch: Watch, event: Any) -> None:
             if event is None:
                 return
-            self.events.inc()
             with self.lock:
                 followers = list(self.followers.get(stream_id, ()))
             for follower in followers:
                 follower.put(followed_event(watch, event))
 
+        def heard(watch: Watch, event: Any) -> None:
+            counted(watch, event)
+            sent(watch, event)
+
         heard.failed = lambda watch, error: self.failures.inc()
+        heard.counted, heard.sent = counted, sent  # apart: a new watch's sends wait for its record (`HeldEvents`)
         return heard
 
     def follow(self, stream_id: str) -> Follower:
