@@ -312,3 +312,40 @@ def test_a_watch_refused_for_its_record_is_in_no_backlog_of_a_follower_come_back
         assert client.delete(f"/v1/streams/{stream_id}").status_code in (200, 204)  # its followers' feeds end
         reader.join(30)
         assert not reader.is_alive() and heard[0] == first and set(heard) == {first, None}, heard
+
+
+def test_a_deletion_failing_after_its_client_left_is_logged(tmp_path, qa, pictures, monkeypatch, caplog):
+    """Before: a change to a watch whose client left while it ran (`settled` runs it to its end) had its unexpected
+    error (a bug: not a refusal, which is logged where it is made) taken and dropped, logged nowhere: the watch's
+    state was wrong and nothing said so. Now it is logged with its traceback."""
+    from statekv.api.watch import Watch
+
+    real_write, real_close = StreamEntry.write_record, watch_routes.close_recorded
+    deleting: list[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = []
+
+    async def close_recorded(*args, **kwargs):
+        deleting.append((asyncio.get_running_loop(), asyncio.current_task()))
+        return await real_close(*args, **kwargs)
+
+    def write_record(entry, files, *args, **kwargs):
+        written = real_write(entry, files, *args, **kwargs)
+        if deleting and args and args[0] is not None:  # the deletion's record on the disk: its client leaves now
+            loop, task = deleting.pop()
+            loop.call_soon_threadsafe(task.cancel)
+        return written
+
+    def broken_close(watch):
+        raise RuntimeError("a bug in closing the watch")
+
+    with Running(tmp_path / "state", qa) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
+        push(client, stream_id, pictures, 0, 3)
+        watch = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH).json()["id"]
+        monkeypatch.setattr(watch_routes, "close_recorded", close_recorded)
+        monkeypatch.setattr(StreamEntry, "write_record", write_record)
+        monkeypatch.setattr(Watch, "close", broken_close)
+        client.delete(f"/v1/streams/{stream_id}/watches/{watch}")  # its answer is lost with its client
+        monkeypatch.undo()
+    assert not deleting
+    assert any(record.exc_info and "a bug in closing the watch" in str(record.exc_info[1])
+               for record in caplog.records), [record.getMessage() for record in caplog.records]

@@ -123,8 +123,9 @@ async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
 
 async def settled(work: Awaitable[T]) -> T:
     """Await ``work`` to its end even when the caller is cancelled meanwhile (its client gone), then raise that
-    cancellation (``work``'s own error, then, goes with it: logged where it is made): a change to a stream's
-    watches is never left halfway, its record saying one thing and its memory another."""
+    cancellation (``work``'s own refusal, then, goes with it: logged where it is made; any other error is logged
+    here, with its traceback, as no request reports it): a change to a stream's watches is never left halfway, its
+    record saying one thing and its memory another."""
     task = asyncio.ensure_future(work)
     cancelled = False
     while not task.done():
@@ -133,8 +134,9 @@ async def settled(work: Awaitable[T]) -> T:
         except asyncio.CancelledError:
             cancelled = True
     if cancelled:
-        if not task.cancelled():
-            task.exception()  # retrieved: its error is not logged again as never retrieved
+        error = None if task.cancelled() else task.exception()  # retrieved: not logged as never retrieved
+        if error is not None and not isinstance(error, StateKVError):
+            log.error("a change to a stream's watches, its client gone, failed: %s", error, exc_info=error)
         raise asyncio.CancelledError
     return task.result()
 
