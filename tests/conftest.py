@@ -5,6 +5,7 @@ it (`tiny_qa`)."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import io
 import os
@@ -219,3 +220,31 @@ def forced_folders(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(os, "fsync", recording)
     return forced
+
+
+class Unremovable:
+    """Folders ``shutil.rmtree`` cannot remove (as if their files could not go: an error, or nothing done when
+    errors are ignored) while in ``stuck``; ``tries``: each try at one of ``watched``, whether it ignored errors."""
+
+    def __init__(self, monkeypatch):
+        import shutil
+
+        self.stuck, self.watched, self.tries = set(), set(), []
+        rmtree = shutil.rmtree
+
+        def failing_rmtree(path, ignore_errors=False, *args, **kwargs):
+            if Path(path) in self.watched:
+                self.tries.append(ignore_errors)
+            if Path(path) in self.stuck:
+                if ignore_errors:
+                    return None
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return rmtree(path, ignore_errors, *args, **kwargs)
+
+        monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+
+
+@pytest.fixture
+def unremovable(monkeypatch) -> Unremovable:
+    """`Unremovable` folders, from now on."""
+    return Unremovable(monkeypatch)

@@ -48,7 +48,7 @@ def _tier_folder(root: Path, replica: str, age: float) -> Path:
 
 
 @pytest.mark.parametrize("case", ["forgotten on another node", "removal fails"])
-def test_a_dead_replicas_disk_tier_folder_is_removed_by_the_replicas_of_its_node(tmp_path, monkeypatch, caplog, case):
+def test_a_dead_replicas_disk_tier_folder_is_removed_by_the_replicas_of_its_node(tmp_path, unremovable, caplog, case):
     """Before: the folder was removed only by the replica that forgot the dead one's post, once, every error
     ignored: when a replica on another node (another disk) forgot it first, or the removal failed (a file held open,
     a disk read-only for a while), the dead replica's file sets stayed on the node's disk for good, unsaid."""
@@ -68,18 +68,10 @@ def test_a_dead_replicas_disk_tier_folder_is_removed_by_the_replicas_of_its_node
         ReplicaBoard(state, "dead").post(2, b"")
         _aged(state / "replicas" / "dead.json", FORGET_SECONDS + 1)
     # else: its post is gone already, forgotten by a replica on another node
-    rmtree, stuck, tries = shutil.rmtree, {dead} if case == "removal fails" else set(), []
-
-    def failing_rmtree(path, ignore_errors=False, *args, **kwargs):  # as a folder whose files cannot be removed
-        if Path(path) == dead:
-            tries.append(ignore_errors)
-        if Path(path) in stuck:
-            if ignore_errors:
-                return None
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return rmtree(path, ignore_errors, *args, **kwargs)
-
-    monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+    unremovable.watched.add(dead)
+    stuck, tries = unremovable.stuck, unremovable.tries
+    if case == "removal fails":
+        stuck.add(dead)
     caplog.set_level(logging.INFO, "statekv.serve")
     hosting = ReplicaHosting(config, "live", lease_seconds=10, tier_root=root)
     with TestClient(create_app(config, qa=qa, hosting=hosting)):

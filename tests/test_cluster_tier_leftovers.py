@@ -5,9 +5,7 @@ leases, rather than left to fill the disk unseen."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,20 +39,11 @@ def _replicas(tmp_path: Path) -> list[SharedRegistry]:
     return replicas
 
 
-def test_a_tier_folder_that_cannot_be_removed_as_its_stream_moves_is_said_and_removed_later(tmp_path, monkeypatch,
+def test_a_tier_folder_that_cannot_be_removed_as_its_stream_moves_is_said_and_removed_later(tmp_path, unremovable,
                                                                                             caplog):
     """Before: the folder of a stream handed over was removed ignoring every error, silently: what could not go
     (a file held open, a disk gone read-only for a while) stayed on the replica's disk for good."""
-    rmtree, stuck = shutil.rmtree, set()
-
-    def failing_rmtree(path, ignore_errors=False, *args, **kwargs):  # as a folder whose files cannot be removed
-        if Path(path) in stuck:
-            if ignore_errors:
-                return None
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return rmtree(path, ignore_errors, *args, **kwargs)
-
-    monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+    stuck = unremovable.stuck
     caplog.set_level(logging.INFO, "statekv.serve")
 
     async def scenario():
