@@ -13,17 +13,15 @@ put on the device, and `Stream.load` resumes there (the steps after it counted l
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ...errors import OutputError, os_reason
 from ...flushing import flush_folder
 
-if TYPE_CHECKING:
-    from .tier import DiskTier
 
-
-def refuse_unforced(tier: DiskTier) -> None:
-    """A one-line `OutputError` if a force of ``tier``'s files failed before: nothing it writes is vouched for."""
+def refuse_unforced(tier: Any) -> None:
+    """A one-line `OutputError` if a force of ``tier``'s files (a `DiskTier`, taken as any: this module is below it)
+    failed before: nothing it writes is vouched for."""
     if tier.force_failed is not None:
         raise OutputError(f"cannot force the disk cache in {tier.folder} to the device: an earlier force failed "
                           f"({tier.force_failed}), so what was written since its last checkpoint may never reach it; "
@@ -31,7 +29,7 @@ def refuse_unforced(tier: DiskTier) -> None:
                           "checkpoint")
 
 
-def force(tier: DiskTier, fds: dict[int, str], *, layers: bool, folder: bool) -> None:
+def force(tier: Any, fds: dict[int, str], *, layers: bool, folder: bool) -> None:
     """Force ``fds`` (each named, ``{fd: file name}``), and the layers' files written since the last time
     (``layers``; `MappedTokenBuffer.sync`, and the tier's `forced`) or the folder's names (``folder``), to the storage
     device. A one-line `OutputError` naming the file and why when the device fails it, and from then on
