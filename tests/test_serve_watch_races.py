@@ -9,8 +9,11 @@ import json
 import shutil
 import asyncio
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("httpx", reason="statekv[serve] and its test clients are part of .[test]")
 pytest.importorskip("fastapi")
@@ -72,15 +75,17 @@ def test_a_creation_refused_for_its_record_never_leaves_a_record_written_meanwhi
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
         push(client, stream_id, pictures, 0, 3)
 
-        def answer() -> None:  # another record write, from another request, at this exact moment
-            with server.client() as asker:
-                asked = asker.post(f"/v1/streams/{stream_id}/ask", json={"question": COUNT, "max_new_tokens": 2})
-                assert asked.status_code == 200, asked.text
-
         def write_record(entry, files, *args, **kwargs):
             if not creating.is_set():
                 return real(entry, files, *args, **kwargs)
             creating.clear()  # the creation's own write, the watch open
+
+            def answer() -> None:  # an answer's record write (`keep_record`), from another thread, at this moment
+                thread = threading.Thread(target=entry.write_record, args=(files,))
+                thread.start()  # (a real /ask would wait for the model's thread, which runs this creation)
+                thread.join(30)
+                assert not thread.is_alive()
+
             if answered == "before":
                 answer()
             try:
@@ -262,14 +267,21 @@ def test_a_creation_the_shutdown_left_unrecorded_is_refused(tmp_path, qa, pictur
         stream_id = client.post("/v1/streams", json={"max_fps": 1}).json()["id"]
         push(client, stream_id, pictures, 0, 3)
 
+        stopping: list[threading.Thread] = []
+
         def write_record(entry, files, *args, **kwargs):
             if len(args) > 1 and args[1] is not None:  # the creation's write: the shutdown has closed the stream
-                registry.close_all()
+                stopping.append(threading.Thread(target=registry.close_all))
+                stopping[0].start()  # its streams' close waits for the model's thread, which runs this creation
+                while not entry.closed:  # (retired first, before it waits)
+                    assert stopping[0].is_alive()
+                    time.sleep(0.01)
             return real(entry, files, *args, **kwargs)
 
         monkeypatch.setattr(StreamEntry, "write_record", write_record)
         refused = client.post(f"/v1/streams/{stream_id}/watches", json=WATCH)
         monkeypatch.setattr(StreamEntry, "write_record", real)
+        stopping[0].join(30)
         assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
         assert "\n" not in refused.json()["error"]["message"] and _recorded(state, stream_id) == []
     with Running(state, qa) as server, server.client() as client:
@@ -349,3 +361,79 @@ def test_a_deletion_failing_after_its_client_left_is_logged(tmp_path, qa, pictur
     assert not deleting
     assert any(record.exc_info and "a bug in closing the watch" in str(record.exc_info[1])
                for record in caplog.records), [record.getMessage() for record in caplog.records]
+
+
+def test_a_watch_made_while_a_file_is_fed_sends_its_first_event_before_the_feeds_later_ones(tmp_path, qa,
+                                                                                          monkeypatch):
+    """Before: a watch made while a file was fed (its stream not locked) held its first event (frame N) till its
+    record was written, off the model's thread, while the feed went on pushing: another watch's events of frames
+    N+1.. were sent meanwhile, the held one after them, so event ids went back, and a follower coming back with the
+    last id it read was sent them again or never sent the held one. Now the creation, its record and the release
+    run on the model's thread as one: no push runs between them, and the follower reads the ids in order."""
+    import statekv.api.watch
+    from statekv.synthetic.benchmark import make_benchmark
+
+    real_evaluate, flips = statekv.api.watch.evaluate, {}
+
+    def changing(evaluations, head):  # every evaluation's answer differs from the one before: an event a frame
+        outcomes = list(real_evaluate(evaluations, head))
+        for number, evaluation in enumerate(evaluations):
+            flips[id(evaluation.question)] = flipped = not flips.get(id(evaluation.question), False)
+            if flipped:
+                outcomes[number] = torch.cat([outcomes[number], outcomes[number][:, -1:]], dim=1)
+        return outcomes
+
+    monkeypatch.setattr(statekv.api.watch, "evaluate", changing)
+    media = tmp_path / "media"
+    make_benchmark(media, videos=1, seed=4249, num_frames=60)
+    video = str(next(media.rglob("*.mp4")).relative_to(media))
+    heard: list[tuple[str, dict]] = []
+    arrived, creating, real_write = threading.Condition(), threading.Event(), StreamFiles.write_record
+
+    def heard_past(frames: int) -> bool:
+        return any(item["frame"] > frames for _, item in heard)
+
+    def write_record(files, record):  # the new watch's record waits till the feed's events go past its frame
+        if creating.is_set() and len(record["watches"]) == 2:
+            creating.clear()
+            with arrived:  # (where no push can run meanwhile, it waits in vain: the fix)
+                arrived.wait_for(lambda: heard_past(record["seen"]["frames"]), timeout=5)
+        return real_write(files, record)
+
+    monkeypatch.setattr(StreamFiles, "write_record", write_record)
+    with Running(tmp_path / "state", qa, media_root=media) as server, server.client() as client:
+        stream_id = client.post("/v1/streams", json={"max_fps": None}).json()["id"]
+        first = client.post(f"/v1/streams/{stream_id}/watches", json={**WATCH, "every": 1}).json()["id"]
+        following = threading.Event()
+
+        def follow() -> None:
+            with server.client() as reader, reader.stream("GET", f"/v1/streams/{stream_id}/events") as events:
+                following.set()
+                sent_id = None
+                for line in events.iter_lines():
+                    if line.startswith("id: "):
+                        sent_id = line[len("id: "):]
+                    elif line.startswith("data: "):
+                        with arrived:
+                            heard.append((sent_id, json.loads(line[len("data: "):])))
+                            arrived.notify_all()
+
+        def feed() -> int:
+            with server.client() as feeder:
+                return feeder.post(f"/v1/streams/{stream_id}/frames", json={"source": video}).status_code
+
+        threading.Thread(target=follow, daemon=True).start()
+        assert following.wait(30)
+        with ThreadPoolExecutor(1) as pool:
+            fed = pool.submit(feed)
+            with arrived:
+                assert arrived.wait_for(lambda: len(heard) >= 2, timeout=60)  # the feed runs
+            creating.set()
+            made = client.post(f"/v1/streams/{stream_id}/watches", json={**WATCH, "every": 1})
+            assert made.status_code == 201 and not creating.is_set(), made.text
+            assert fed.result(timeout=300) == 200
+        with arrived:
+            assert arrived.wait_for(lambda: made.json()["id"] in [item["watch"] for _, item in heard], timeout=30)
+    frames = [item["frame"] for _, item in heard]
+    assert {item["watch"] for _, item in heard} == {first, made.json()["id"]}
+    assert frames == sorted(frames), [sent_id for sent_id, _ in heard]

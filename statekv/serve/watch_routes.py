@@ -56,13 +56,9 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
     never halfway (`settled`)."""
     listener = HeldEvents(service.watch_hub.listener(entry.id))  # none sent before the watch is recorded
 
-    def opened_here() -> Any:  # on the model's thread: among a feed's pushes when one runs
-        check_here(entry)  # deleted, moved or damaged while the request waited
-        return open_on(entry, settings, listener)
-
-    async def unopened(watch: Any) -> None:
+    def unopened(watch: Any) -> None:
         listener.drop()
-        await service.worker.run(watch.close)  # no record names it, nor will one (`opening`) till it closes
+        watch.close()  # no record names it, nor will one (`opening`) till it closes
         entry.left(watch.id)
         entry.opening.discard(watch.id)  # closed first: a backlog read meanwhile leaves it out all the same
 
@@ -70,22 +66,26 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
         entry.opening.discard(watch.id)  # first: a follower whose backlog left it out is sent its held events
         listener.release()
 
-    async def recorded() -> Any:
-        watch = await service.worker.run(opened_here)
+    def made() -> Any:
+        # on the model's thread, whole (a record write waits for no model work): no push of a feed runs between the
+        # watch's first evaluation, its record and the release of its held events, which are queued to the
+        # followers before any later frame's, so a feed's event ids only grow
+        check_here(entry)  # deleted, moved or damaged while the request waited
+        watch = open_on(entry, settings, listener)
         try:
-            written = await asyncio.to_thread(entry.write_record, service.registry.files, None, watch.id)
+            written = entry.write_record(service.registry.files, None, watch.id)
         except Exception as error:
             if watch.id in entry.recorded_watches:  # a record written meanwhile (an answer, a save) holds it
                 log.warning("the record of stream %s naming its new watch %s was written by another change, though "
                             "its own write failed (%s): the watch stands", entry.id, watch.id, error)
             else:
-                await unopened(watch)
+                unopened(watch)
                 if not isinstance(error, (OSError, StateKVError)):
                     raise
                 raise _unrecorded_watch(service, entry, error, "a new watch", "it was not opened") from None
         else:
             if not written and watch.id not in entry.recorded_watches:  # no record is written any more, none names it
-                await unopened(watch)
+                unopened(watch)
                 check_here(entry)  # deleted or moved meanwhile
                 raise ServiceError(503, "the server is stopping: a new watch cannot be recorded; it was not opened: "
                                    "open it again once the server is back", headers={"Retry-After": "10"})
@@ -94,7 +94,7 @@ async def open_recorded(service: Any, entry: Any, settings: dict[str, Any]) -> A
 
     async with service.ask_slots.hold(), changing_watches(entry):
         check_here(entry)
-        return await settled(recorded())
+        return await settled(service.worker.run(made))
 
 
 async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
