@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 
 import pytest
@@ -113,3 +114,47 @@ def test_a_stream_whose_force_failed_is_brought_back_from_its_folder(tmp_path, m
             assert push(index).status_code == 200
         described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
     assert (described["frames"], described["pushed"], described["save_error"]) == (len(frames), len(frames), None)
+
+
+def test_a_server_stopping_with_a_stream_whose_force_failed_says_so_once_and_the_next_start_resumes_it(
+        tmp_path, monkeypatch, caplog):
+    """Before: the stop tried to save the stream, which can never be saved again (its force failed), and then to
+    close it, whose checkpoint is refused as expected: two errors, the second "cannot close stream" as if something
+    else failed. Now one line says its files could not be forced and that the next start resumes it from its folder
+    at its last checkpoint forced; the next start does."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+
+    def served():
+        qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
+        config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                             save_every_frames=1)
+        return TestClient(create_app(config, qa=qa))
+
+    fsync, failing = os.fsync, [False]
+
+    def fsync_or_fail(fd):  # the device under the offload folder failing once
+        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
+            failing[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    headers = {"Authorization": "Bearer key"}
+    frames = [_png(image) for image in random_frames(4, 31, 48, 64)]
+    with served() as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
+        for index in range(3):
+            assert client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
+                               headers={**headers, "Content-Type": "image/png"}).status_code == 200
+        failing[0] = True
+        assert client.post(f"/v1/streams/{stream_id}/frames?t=3", content=frames[3],
+                           headers={**headers, "Content-Type": "image/png"}).status_code == 503
+        caplog.clear()
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(errors) == 1 and stream_id in errors[0], errors
+    assert "could not be forced to the device" in errors[0] and "at its last checkpoint forced" in errors[0]
+    with served() as client:
+        described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
+    assert (described["frames"], described["resume_from"], described["lost"]["pushed"]) == (2, 2, 1), described

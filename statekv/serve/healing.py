@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..core.disk.successor import HANDOVER_MARKER
-from ..errors import HandoverError, OutputError
+from ..errors import HandoverError, OutputError, StateKVError
 from .entries import StreamEntry
 from .errors import ServiceError, StorageError, reason_of
 from .watches import new_run
@@ -191,6 +191,21 @@ def unforced(entry: StreamEntry) -> str | None:
     checkpointed again, `statekv.core.disk.forcing`); None when none failed, or it is deleted or moved."""
     tier = getattr(getattr(entry.stream, "durability", None), "tier", None)
     return None if tier is None or entry.deleted or entry.moved else tier.force_failed
+
+
+def unforced_at_stop(entry: StreamEntry, files: Any) -> bool:
+    """At shutdown (`StreamRegistry.save_all`): whether ``entry``'s stream is one whose force failed (`unforced`),
+    which no save can make durable: said in one line, its record written (what it keeps: watches, answers, the
+    counts the next start tells its loss by), the stream not saved."""
+    why = unforced(entry)
+    if why is None:
+        return False
+    log.error("cannot save stream %s at shutdown: its files could not be forced to the device (%s); the next start "
+              "resumes it from its disk-tier folder at its last checkpoint forced, the frames pushed after it lost "
+              "(that start says how many)", entry.id, why)
+    with contextlib.suppress(OSError, StateKVError):
+        entry.write_record(files)
+    return True
 
 
 def close_engines(stream: Any) -> None:

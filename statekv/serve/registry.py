@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import OtherSetupError, StateKVError
+from ..errors import OtherSetupError, OutputError, StateKVError
 from .answer_notes import answer_note
 from .answering import ClientLeft, ServerStopped, StreamDeleted, answer_arguments, check_answer, prompt_tokens
 from .config import ServeConfig
@@ -34,7 +34,7 @@ from .entries import ANSWERS, DamagedStream, StreamEntry, failure_reason, remove
 from .errors import ServiceError, reason_of
 from .feeding import FileFeeds
 from .healing import BROUGHT_BACK, StreamHealer, check_has_frames, check_here, closed_by_handover, to_bring_back, \
-    unforced
+    unforced, unforced_at_stop
 from .loading import StreamLoader, unreadable
 from .metrics import Metrics
 from .page_record import HISTORY
@@ -467,9 +467,10 @@ class StreamRegistry:
 
     def save_all(self) -> None:
         """Save every stream with unsaved frames (at shutdown, from outside the event loop); one a stopped handover
-        closed is not (its folder holds every frame it took: the next start resumes it)."""
+        closed is not (its folder holds every frame it took: the next start resumes it), nor one whose force failed
+        (`unforced_at_stop`: the next start resumes it at its last checkpoint forced)."""
         for entry in list(self.entries.values()):
-            if closed_by_handover(entry):
+            if closed_by_handover(entry) or unforced_at_stop(entry, self.files):
                 continue
             try:
                 self.worker.run_blocking(self.save_now, entry)
@@ -497,7 +498,8 @@ class StreamRegistry:
             try:
                 self.worker.run_blocking(entry.stream.close)
             except Exception as error:  # noqa: BLE001 -- shutting down: the others are closed still
-                log.error("cannot close stream %s: %s", entry.id, error)
+                if not (isinstance(error, OutputError) and unforced(entry) is not None):  # its refused checkpoint:
+                    log.error("cannot close stream %s: %s", entry.id, error)  # said at its save (`save_all`)
 
     # -- bringing back -------------------------------------------------------------------------------------
     def restore(self, owners: Any = None) -> int:
