@@ -158,3 +158,39 @@ def test_a_server_stopping_with_a_stream_whose_force_failed_says_so_once_and_the
     with served() as client:
         described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
     assert (described["frames"], described["resume_from"], described["lost"]["pushed"]) == (2, 2, 1), described
+
+
+def test_a_stream_brought_back_after_its_force_failed_is_no_longer_counted_unsaved(tmp_path, monkeypatch):
+    """Before: the save that met the failed force stayed the stream's ``save_error``, and it was counted in
+    statekv_streams_unsaved, once it was brought back at its last checkpoint forced (its record and folder agreeing,
+    nothing unsaved), until a later push saved it: for good on a stream pushed no more. Now it is saved as it is."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+
+    qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
+    config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                         save_every_frames=1)
+    fsync, failing = os.fsync, [False]
+
+    def fsync_or_fail(fd):  # the device under the offload folder failing once
+        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
+            failing[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    headers = {"Authorization": "Bearer key"}
+    frames = [_png(image) for image in random_frames(4, 31, 48, 64)]
+    with TestClient(create_app(config, qa=qa)) as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
+        for index in range(3):
+            assert client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
+                               headers={**headers, "Content-Type": "image/png"}).status_code == 200
+        failing[0] = True
+        assert client.post(f"/v1/streams/{stream_id}/frames?t=3", content=frames[3],
+                           headers={**headers, "Content-Type": "image/png"}).status_code == 503
+        described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()  # brought back
+        metrics = client.get("/metrics").text.splitlines()
+    assert (described["frames"], described["pushed"], described["save_error"]) == (2, 2, None), described
+    assert "statekv_streams_unsaved 0.0" in metrics

@@ -91,6 +91,8 @@ class StreamHealer:
             # a record written between these lines is written again below (keep_record)
             entry.stream, entry.saved, entry.saved_at = healed.stream, healed.saved, healed.saved_at
             entry.saved_watches = healed.saved_watches  # none: its record cuts at the file set's frames, not the save's
+            if why is not None:  # the save that met the failure: the stream is now what its folder holds forced
+                entry.save_error = entry.save_failure = None
             self.unhealed.pop(entry.id, None)
             if healed.stream.last_timestamp is not None:  # the push that stopped had its frame taken
                 entry.last_seconds = healed.stream.last_timestamp
