@@ -133,9 +133,9 @@ class StreamEntry:
         after it already holds; none once it is deleted, moved or closed (`retire`): then False, the change in no
         record (True: it is in one on the disk). ``leaving``: a watch to be closed once this returns True (`left`),
         left out of this record and of every one after it; when this one cannot be written (raised, or False), none
-        written has left it out, and the next names it again. ``opening``: a watch just
-        opened; when this one cannot be written and no record written names it (`recorded_watches`), none after it
-        does either until it is closed (`left`): a watch refused for its record is never on the disk."""
+        written has left it out, and the next names it again. ``opening``: a watch just opened; when this one cannot
+        be written and no record written names it (`recorded_watches`), none after it does either until it is closed
+        (`left`): a watch refused for its record is never on the disk."""
         with self.counting:
             if leaving is not None:
                 self.leaving[leaving] += 1

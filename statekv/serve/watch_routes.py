@@ -102,8 +102,8 @@ async def close_recorded(service: Any, entry: Any, watch: Any) -> None:
     it, is on the disk; a deletion a restart would undo (the record cannot be written, or is written no more: the
     server stopping closed the stream) leaves the watch open as it was, in memory and on disk (503). Called with
     the stream's watches held (`changing_watches`): a hand-over waiting for them moves the stream with the record
-    written here. A client gone meanwhile leaves the watch closed
-    once its record is written, never open in memory alone (`settled`)."""
+    written here. A client gone meanwhile leaves the watch closed once its record is written, never open in memory
+    alone (`settled`)."""
     async def closed() -> None:
         try:
             written = await asyncio.to_thread(entry.write_record, service.registry.files, watch.id)
