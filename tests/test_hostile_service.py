@@ -229,10 +229,10 @@ def test_twelve_concurrent_creates_under_max_streams_3_make_exactly_3(qa, tmp_pa
 def test_max_asks_holds_for_streamed_answers_arriving_together(qa, tmp_path, monkeypatch):
     """Before: a streamed answer was checked against --max-asks when asked but took its slot only once its events
     began, so answers arriving together all passed the check."""
-    slow_put = TokenStreamer.put
+    slow_put, refused, lock, every_refusal = TokenStreamer.put, [], threading.Lock(), threading.Event()
 
-    def put(self, value):  # tokens come slowly, so the answers overlap
-        time.sleep(0.01)
+    def put(self, value):  # no token before the asks beyond the slots are answered: the answers overlap
+        every_refusal.wait(30)
         slow_put(self, value)
 
     monkeypatch.setattr(TokenStreamer, "put", put)
@@ -244,12 +244,16 @@ def test_max_asks_holds_for_streamed_answers_arriving_together(qa, tmp_path, mon
             with server.client() as client:
                 reply = client.post(f"/v1/streams/{stream_id}/ask",
                                     json={"question": QUESTION, "max_new_tokens": 8, "stream": True})
+                with lock:
+                    refused.append(reply.status_code == 429)
+                    if sum(refused) == 6:
+                        every_refusal.set()
                 return reply.status_code, reply.text
 
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(ask, range(8)))
         statuses = sorted(status for status, _ in replies)
-        assert statuses.count(200) <= 2 and statuses.count(200) + statuses.count(429) == 8, statuses
+        assert statuses == [200] * 2 + [429] * 6, statuses
         assert all("event: answer" in text for status, text in replies if status == 200)
         # a slot is given back once the server's side of the response ends, which can follow the client's last
         # byte by a moment: wait for it (a slot never given back fails)
