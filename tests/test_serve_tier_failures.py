@@ -194,3 +194,53 @@ def test_a_stream_brought_back_after_its_force_failed_is_no_longer_counted_unsav
         metrics = client.get("/metrics").text.splitlines()
     assert (described["frames"], described["pushed"], described["save_error"]) == (2, 2, None), described
     assert "statekv_streams_unsaved 0.0" in metrics
+
+
+def test_a_feed_whose_push_met_a_failed_force_does_not_save_and_says_how_a_feed_goes_on(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """Before: the feed whose push met the failed force then saved what it pushed, a save certain to fail (its tier
+    refuses every sync after the failure): a second "cannot save stream" error and a second save failure counted;
+    and its client was told to "push this frame again", which a feed's client has no frame to do. Now it does not
+    save, and says to feed the file again from the frames of it the stream holds once brought back (``skip``)."""
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.testing.videos import write_test_video
+
+    media = tmp_path / "media"
+    media.mkdir()
+    write_test_video(media / "v.mp4", frames=8, fps=4)
+    qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
+    config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                         save_every_frames=2, media_root=media)
+    fsync, forced, failing_at = os.fsync, [0], [None]
+
+    def fsync_or_fail(fd):  # the device under the offload folder failing once, a few frames into the feed
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
+            forced[0] += 1
+            if forced[0] == failing_at[0]:
+                raise OSError(errno.EIO, "Input/output error")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    headers = {"Authorization": "Bearer key"}
+    with TestClient(create_app(config, qa=qa)) as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": 16, "max_fps": None},
+                                headers=headers).json()["id"]
+        assert client.post(f"/v1/streams/{stream_id}/frames?t=0", content=_png(random_frames(1, 31, 48, 64)[0]),
+                           headers={**headers, "Content-Type": "image/png"}).status_code == 200
+        caplog.clear()
+        failing_at[0] = forced[0] + 40  # in a save a few frames into the feed
+        fed = client.post(f"/v1/streams/{stream_id}/frames", json={"source": "v.mp4", "t": 1}, headers=headers)
+        errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+        failures = [line for line in client.get("/metrics").text.splitlines()
+                    if line.startswith("statekv_save_failures_total")]
+        resume_from = client.get(f"/v1/streams/{stream_id}", headers=headers).json()["resume_from"]  # brought back
+        again = [client.post(f"/v1/streams/{stream_id}/frames", json={"source": "v.mp4", "skip": resume_from - 1},
+                             headers=headers) for _ in range(2)]  # as it says: refused once (409), then fed
+    assert fed.status_code == 503 and len(errors) == 1 and failures == ["statekv_save_failures_total 1.0"], errors
+    message = fed.json()["error"]["message"]
+    assert "push this frame again" not in message, message
+    assert 'send {"source": "v.mp4", "skip": N} to go on, N being its resume_from less 1' in message, message
+    assert 1 < resume_from < 9 and again[0].status_code == 409, again[0].text
+    assert again[1].status_code == 200 and again[1].json()["frames"] == 9, again[1].text

@@ -75,6 +75,31 @@ def resumed_shift(last: float | None, start: float | None, first: float, last_sk
     return 0.0
 
 
+def brought_back(entry: Any) -> bool:
+    """Whether ``entry``'s stream is closed, to be brought back from its folder (`statekv.serve.healing`): no save
+    of it can succeed until then."""
+    from .healing import to_bring_back  # (it imports the entries, which import this module)
+
+    return to_bring_back(entry)
+
+
+def unforced_feed(error: StateKVError, shown: str, before: int, resumable: bool) -> ServiceError | None:
+    """The 503 of a feed of ``shown`` whose push met a failed force (``error``, which tells a push's client to push
+    its frame again), saying how a feed goes on: fed again from the frames of the file the stream holds once
+    brought back, its resume_from less ``before`` (its pushed frames before the file's first); None for another
+    error."""
+    from .healing import BROUGHT_BACK, UNFORCED
+
+    message = str(error)
+    if not isinstance(error, ServiceError) or not message.endswith(BROUGHT_BACK):
+        return None
+    then = (f"then send {{\"source\": {json.dumps(shown)}, \"skip\": N}} to go on, N being its resume_from less "
+            f"{before} (the frames of {shown} it holds), and again if that answers 409" if resumable else
+            "then add the same file to this stream again to feed the rest")
+    return ServiceError(error.status, f"{message.removesuffix(BROUGHT_BACK)}{UNFORCED}; {then}",
+                        headers=error.headers)
+
+
 class FileFeeds:
     """The video files being fed into the streams of ``registry`` (a `StreamRegistry`), one feed per stream at a
     time, each holding its stream's lock while it pushes."""
@@ -124,6 +149,7 @@ class FileFeeds:
             feed.running, feed.error = False, registry.config.public(str(error)) or type(error).__name__
             entry.feed = before  # the stream is as it was
             raise
+        earlier = entry.stream.pushed - skip  # the stream's pushes before the file's first
         rate = entry.max_fps or (video.fps if getattr(video, "fps", None) else 1.0)
         feed.total, feed.held_before = max(0, frames_at_rate(video, entry.max_fps) - skip), entry.stream.frames - skip
         try:
@@ -132,7 +158,7 @@ class FileFeeds:
             async with entry.lock:
                 while entry.pushing:  # pushes queued before it: its frames go after theirs
                     await asyncio.sleep(STOP_POLL_SECONDS)
-                feed.held_before = entry.stream.frames - skip
+                feed.held_before, earlier = entry.stream.frames - skip, entry.stream.pushed - skip
                 shift, last_skipped = None, None
                 if start is None and not skip:
                     shift = 0.0 if entry.last_seconds is None else entry.last_seconds + 1.0 / rate
@@ -166,9 +192,9 @@ class FileFeeds:
         except StateKVError as raised:
             # deleted between its frames, or its push met the deletion ("no stream ...")
             error = ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}") \
-                if entry.deleting.is_set() else raised
+                if entry.deleting.is_set() else unforced_feed(raised, shown, earlier, resumable) or raised
             if feed.offered and error is raised and not (feed.stopped or self.stopping or
-                                                         isinstance(error, OutputError)):
+                                                         isinstance(error, OutputError) or brought_back(entry)):
                 await self._save(entry)  # what it pushed before the failure is kept, as a stop keeps it
             feed.error = registry.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
             if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the

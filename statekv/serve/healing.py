@@ -169,11 +169,12 @@ def check_here(entry: StreamEntry, stream: Any = None) -> None:
                            "folder; nothing was done: retry", headers={"Retry-After": "1"})
 
 
-# what a push refused by a failed force tells the client: the retry brings the stream back (`StreamHealer.heal`)
-BROUGHT_BACK = ("this frame was not streamed, and the stream is never checkpointed again: its next request brings it "
-                "back from its offload folder at its last checkpoint forced to the device, the frames pushed after it "
-                "lost; push this frame again, and if that push answers 409, push again from the frame it names "
-                "(resume_from)")
+# what a push refused by a failed force tells the client: the retry brings the stream back (`StreamHealer.heal`);
+# a feed's says how a feed goes on instead (`statekv.serve.feeding.unforced_feed`)
+UNFORCED = ("this frame was not streamed, and the stream is never checkpointed again: its next request brings it back "
+            "from its offload folder at its last checkpoint forced to the device, the frames pushed after it lost")
+BROUGHT_BACK = f"{UNFORCED}; push this frame again, and if that push answers 409, push again from the frame it names " \
+               "(resume_from)"
 
 
 def to_bring_back(entry: StreamEntry) -> bool:
