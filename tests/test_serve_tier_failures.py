@@ -244,3 +244,57 @@ def test_a_feed_whose_push_met_a_failed_force_does_not_save_and_says_how_a_feed_
     assert 'send {"source": "v.mp4", "skip": N} to go on, N being its resume_from less 1' in message, message
     assert 1 < resume_from < 9 and again[0].status_code == 409, again[0].text
     assert again[1].status_code == 200 and again[1].json()["frames"] == 9, again[1].text
+
+
+def test_a_stream_whose_successor_force_failed_is_brought_back_and_hands_over(tmp_path, monkeypatch):
+    """Before: a force of a handover stream's successor's files that failed made every later replay checkpoint of
+    the successor fail (its tier refuses them), the handover put off again and again till the successor was dropped:
+    the stream passed the model's range without it, for good. Now the stream is brought back from its folder, which
+    rebuilds its successor from its backlog, and it hands over as ever."""
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+
+    from statekv.serve.app import create_app
+    from statekv.testing import make_tiny_checkpoint
+
+    short = {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    checkpoint = make_tiny_checkpoint("internvl", tmp_path / "ckpt", text_config=short,
+                                      vision_config={"image_size": 112})
+    tier = tmp_path / "tier"
+    qa = statekv.VideoQA.from_pretrained(checkpoint, budget=24, reserve_tokens=24, attention="eager", offload="disk",
+                                         offload_dir=str(tier))
+    config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
+                         save_every_frames=4)
+    fsync, journaled, failed = os.fsync, [False], []
+
+    def fsync_or_fail(fd):  # a successor's file (in its stream's folder) failing once, after its first checkpoint
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if tier in path.parents and len(path.relative_to(tier).parts) == 3 and not path.name.endswith(".partial"):
+            if journaled[0] and not failed and path.name.startswith("layer"):  # its next checkpoint's
+                failed.append(path.name)
+                raise OSError(errno.EIO, "Input/output error")
+            journaled[0] = journaled[0] or path.name == "journal"
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    headers = {"Authorization": "Bearer key"}
+    frames = [_png(image) for image in random_frames(40, seed=3, height=32, width=32)]
+    with TestClient(create_app(config, qa=qa)) as client:
+        stream_id = client.post("/v1/streams", json={"horizon_frames": None}, headers=headers).json()["id"]
+
+        def push(index: int):
+            return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
+                               headers={**headers, "Content-Type": "image/png"})
+
+        index = 0
+        while not failed and index < len(frames):
+            assert push(index).status_code == 200
+            index += 1
+        assert failed and index < 30, index  # in the successor's replay, before the handover
+        brought_back = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
+        assert brought_back["resume_from"] == index and brought_back["lost"] is None  # its own files were sound
+        for index in range(index, index + 10):
+            assert push(index).status_code == 200
+        described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()
+    assert described["handover"] == "handed over", described["handover"]

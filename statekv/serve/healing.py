@@ -191,7 +191,18 @@ def closed_when(entry: StreamEntry) -> str:
 
 def unforced(entry: StreamEntry) -> str | None:
     """Why a force of a served disk-tier stream's files to the device failed (`DiskTier.force_failed`: it is never
-    checkpointed again, `statekv.core.disk.forcing`); None when none failed, or it is deleted or moved."""
+    checkpointed again, `statekv.core.disk.forcing`), or of its handover successor's (every replay it checkpoints is
+    refused from then on, so the stream would pass the model's range without it: resumed, it rebuilds it from its
+    backlog); None when none failed, or it is deleted or moved."""
+    why = own_unforced(entry)
+    if why is not None or entry.deleted or entry.moved:
+        return why
+    failed = getattr(getattr(getattr(entry.stream, "successor", None), "disk", None), "force_failed", None)
+    return None if failed is None else f"its successor's: {failed}"
+
+
+def own_unforced(entry: StreamEntry) -> str | None:
+    """`unforced`, of the stream's own files alone (its successor's may fail and the stream still be saved)."""
     tier = getattr(getattr(entry.stream, "durability", None), "tier", None)
     return None if tier is None or entry.deleted or entry.moved else tier.force_failed
 
@@ -199,8 +210,9 @@ def unforced(entry: StreamEntry) -> str | None:
 def unforced_at_stop(entry: StreamEntry, files: Any) -> bool:
     """At shutdown (`StreamRegistry.save_all`): whether ``entry``'s stream is one whose force failed (`unforced`),
     which no save can make durable: said in one line, its record written (what it keeps: watches, answers, the
-    counts the next start tells its loss by), the stream not saved."""
-    why = unforced(entry)
+    counts the next start tells its loss by), the stream not saved. One whose successor's force alone failed is
+    saved as any other: its own files are sound."""
+    why = own_unforced(entry)
     if why is None:
         return False
     log.error("cannot save stream %s at shutdown: its files could not be forced to the device (%s); the next start "
