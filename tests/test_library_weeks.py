@@ -32,8 +32,21 @@ def video(tmp_path_factory):
     return write_test_video(tmp_path_factory.mktemp("video") / "clip.mp4", frames=8, fps=4)
 
 
+@pytest.fixture(autouse=True)
+def only_the_tests_heap():
+    """What the session made before this test frozen: the collections and heap scans below walk only what the test
+    makes (late in a full run the whole heap is millions of objects, and each scan took seconds). Objects older than
+    the test are counted neither before nor after, so what the test's own use leaves held is compared as before."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def held() -> dict[str, int]:
-    """What the process holds now, after a collection."""
+    """What the process holds now, after a collection (its objects and tensors: those made since the test began)."""
     gc.collect()
     objects = gc.get_objects()
     tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
