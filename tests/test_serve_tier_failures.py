@@ -18,12 +18,43 @@ from statekv.serve.config import ServeConfig  # noqa: E402
 from conftest import random_frames  # noqa: E402
 
 
+HEADERS = {"Authorization": "Bearer key"}
+
+
 def _png(image) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def failing_once(monkeypatch, folder) -> list[bool]:
+    """The device under ``folder`` failing the first fsync there (EIO) once armed (``armed[0] = True``), as
+    Linux's: its pages clean after it."""
+    fsync, armed = os.fsync, [False]
+
+    def fsync_or_fail(fd):
+        if armed[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)):
+            armed[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_or_fail)
+    return armed
+
+
+def push_png(client, stream_id: str, index: int, frame: bytes):
+    return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frame,
+                       headers={**HEADERS, "Content-Type": "image/png"})
+
+
+def pushed_till_force_failed(client, stream_id: str, frames: list[bytes], armed: list[bool]) -> None:
+    """Three frames pushed, then a fourth whose save meets the failed force (503)."""
+    for index in range(3):
+        assert push_png(client, stream_id, index, frames[index]).status_code == 200
+    armed[0] = True
+    assert push_png(client, stream_id, 3, frames[3]).status_code == 503
 
 
 @pytest.mark.parametrize("replica", [False, True])
@@ -78,23 +109,14 @@ def test_a_stream_whose_force_failed_is_brought_back_from_its_folder(tmp_path, m
     qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
     config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
                          save_every_frames=100 if fails == "in a step's checkpoint" else 1)
-    fsync, failing = os.fsync, [False]
-
-    def fsync_or_fail(fd):  # the device under the offload folder failing once, as Linux's: clean pages after it
-        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
-            failing[0] = False
-            raise OSError(errno.EIO, "Input/output error")
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync_or_fail)
-    headers = {"Authorization": "Bearer key"}
+    failing = failing_once(monkeypatch, tmp_path / "tier")
+    headers = HEADERS
     frames = [_png(image) for image in random_frames(8, 31, 48, 64)]
     with TestClient(create_app(config, qa=qa)) as client:
         stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
 
         def push(index: int):
-            return client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
-                               headers={**headers, "Content-Type": "image/png"})
+            return push_png(client, stream_id, index, frames[index])
 
         for index in range(3):
             assert push(index).status_code == 200
@@ -132,25 +154,12 @@ def test_a_server_stopping_with_a_stream_whose_force_failed_says_so_once_and_the
                              save_every_frames=1)
         return TestClient(create_app(config, qa=qa))
 
-    fsync, failing = os.fsync, [False]
-
-    def fsync_or_fail(fd):  # the device under the offload folder failing once
-        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
-            failing[0] = False
-            raise OSError(errno.EIO, "Input/output error")
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync_or_fail)
-    headers = {"Authorization": "Bearer key"}
+    failing = failing_once(monkeypatch, tmp_path / "tier")
+    headers = HEADERS
     frames = [_png(image) for image in random_frames(4, 31, 48, 64)]
     with served() as client:
         stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
-        for index in range(3):
-            assert client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
-                               headers={**headers, "Content-Type": "image/png"}).status_code == 200
-        failing[0] = True
-        assert client.post(f"/v1/streams/{stream_id}/frames?t=3", content=frames[3],
-                           headers={**headers, "Content-Type": "image/png"}).status_code == 503
+        pushed_till_force_failed(client, stream_id, frames, failing)
         caplog.clear()
     errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
     assert len(errors) == 1 and stream_id in errors[0], errors
@@ -171,25 +180,12 @@ def test_a_stream_brought_back_after_its_force_failed_is_no_longer_counted_unsav
     qa = statekv.VideoQA.from_pretrained("builtin", budget=64, offload="disk", offload_dir=str(tmp_path / "tier"))
     config = ServeConfig(options=qa.options, state_dir=tmp_path / "state", api_keys=("key",), page=False,
                          save_every_frames=1)
-    fsync, failing = os.fsync, [False]
-
-    def fsync_or_fail(fd):  # the device under the offload folder failing once
-        if failing[0] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tier")):
-            failing[0] = False
-            raise OSError(errno.EIO, "Input/output error")
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync_or_fail)
-    headers = {"Authorization": "Bearer key"}
+    failing = failing_once(monkeypatch, tmp_path / "tier")
+    headers = HEADERS
     frames = [_png(image) for image in random_frames(4, 31, 48, 64)]
     with TestClient(create_app(config, qa=qa)) as client:
         stream_id = client.post("/v1/streams", json={"horizon_frames": 16}, headers=headers).json()["id"]
-        for index in range(3):
-            assert client.post(f"/v1/streams/{stream_id}/frames?t={index}", content=frames[index],
-                               headers={**headers, "Content-Type": "image/png"}).status_code == 200
-        failing[0] = True
-        assert client.post(f"/v1/streams/{stream_id}/frames?t=3", content=frames[3],
-                           headers={**headers, "Content-Type": "image/png"}).status_code == 503
+        pushed_till_force_failed(client, stream_id, frames, failing)
         described = client.get(f"/v1/streams/{stream_id}", headers=headers).json()  # brought back
         metrics = client.get("/metrics").text.splitlines()
     assert (described["frames"], described["pushed"], described["save_error"]) == (2, 2, None), described
