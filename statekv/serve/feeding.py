@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, OutputError, StateKVError
+from .bringing_back import BROUGHT_BACK, UNFORCED, to_bring_back
 from .errors import ServiceError, public_message, reason_of, status_of
 
 STOP_POLL_SECONDS = 0.05
@@ -75,21 +76,11 @@ def resumed_shift(last: float | None, start: float | None, first: float, last_sk
     return 0.0
 
 
-def brought_back(entry: Any) -> bool:
-    """Whether ``entry``'s stream is closed, to be brought back from its folder (`statekv.serve.healing`): no save
-    of it can succeed until then."""
-    from .healing import to_bring_back  # (it imports the entries, which import this module)
-
-    return to_bring_back(entry)
-
-
 def unforced_feed(error: StateKVError, shown: str, before: int, resumable: bool) -> ServiceError | None:
     """The 503 of a feed of ``shown`` whose push met a failed force (``error``, which tells a push's client to push
     its frame again), saying how a feed goes on: fed again from the frames of the file the stream holds once
     brought back, its resume_from less ``before`` (its pushed frames before the file's first); None for another
     error."""
-    from .healing import BROUGHT_BACK, UNFORCED
-
     message = str(error)
     if not isinstance(error, ServiceError) or not message.endswith(BROUGHT_BACK):
         return None
@@ -194,7 +185,7 @@ class FileFeeds:
             error = ServiceError(404, f"stream {entry.id} was deleted while feeding {shown}") \
                 if entry.deleting.is_set() else unforced_feed(raised, shown, earlier, resumable) or raised
             if feed.offered and error is raised and not (feed.stopped or self.stopping or
-                                                         isinstance(error, OutputError) or brought_back(entry)):
+                                                         isinstance(error, OutputError) or to_bring_back(entry)):
                 await self._save(entry)  # what it pushed before the failure is kept, as a stop keeps it
             feed.error = registry.config.public(public_message(str(error), {str(path): shown}))  # shown to its page too
             if isinstance(error, InputError) and not feed.offered:  # a request refused (a skip past the end): the

@@ -33,8 +33,8 @@ from .creations import CreationNotes, end_creation
 from .entries import ANSWERS, DamagedStream, StreamEntry, failure_reason, remove_tier
 from .errors import ServiceError, reason_of
 from .feeding import FileFeeds
-from .healing import BROUGHT_BACK, StreamHealer, check_has_frames, check_here, closed_by_handover, to_bring_back, \
-    unforced, unforced_at_stop
+from .bringing_back import BROUGHT_BACK, closed_by_handover, to_bring_back, unforced
+from .healing import StreamHealer, check_has_frames, check_here, unforced_at_stop
 from .loading import StreamLoader, unreadable
 from .metrics import Metrics
 from .page_record import HISTORY
