@@ -222,6 +222,24 @@ def forced_folders(monkeypatch) -> list[str]:
     return forced
 
 
+def failing_folders(monkeypatch, code: int, times: int | None = None) -> list[int]:
+    """``os.fsync`` of a folder raises ``code`` from now on (its first ``times`` only, when given); of a file it
+    forces as before. Returns the folder flushes tried, in order (their descriptors)."""
+    import stat
+
+    real, tried = os.fsync, []
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            tried.append(fd)
+            if times is None or len(tried) <= times:
+                raise OSError(code, os.strerror(code))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return tried
+
+
 class Unremovable:
     """Folders ``shutil.rmtree`` cannot remove (as if their files could not go: an error, or nothing done when
     errors are ignored) while in ``stuck``; ``tries``: each try at one of ``watched``, whether it ignored errors."""

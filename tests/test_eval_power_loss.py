@@ -124,23 +124,14 @@ def test_a_note_file_whose_name_could_not_be_forced_is_made_again_by_the_next_no
     """Before: the new file stayed, empty, when its folder's flush failed (EIO), so the next note appended to it
     and never forced its name."""
     import errno
-    import os
-    import stat
     from types import SimpleNamespace
 
     from statekv.eval.video_errors import log_video_error, unresolved_errors
 
+    from conftest import failing_folders
+
     video = SimpleNamespace(video_id="v0001", questions=[SimpleNamespace(qid="v0001-needle")])
-    fsync, folders = os.fsync, []
-
-    def failing(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            folders.append(fd)
-            if len(folders) == 1:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing)
+    folders = failing_folders(monkeypatch, errno.EIO, times=1)
     with pytest.raises(OSError):
         log_video_error(tmp_path, 0, video, OSError("cannot read"), 0)
     assert list(tmp_path.iterdir()) == []

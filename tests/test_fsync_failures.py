@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 
 import pytest
 
@@ -16,7 +15,7 @@ from statekv import Stream, flushing
 from statekv.errors import OutputError
 from statekv.models import load_adapter
 
-from conftest import random_frames, tiny_qa
+from conftest import failing_folders, random_frames, tiny_qa
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +74,6 @@ def test_a_checkpoint_whose_force_failed_is_never_vouched_for_by_a_later_one(ada
     resumed = Stream.load(folder, qa)
     assert resumed.frames == 7
     resumed.close()
-
-
-def failing_folders(monkeypatch, code: int) -> None:
-    """``os.fsync`` of a folder raises ``code`` from now on; of a file it forces as before."""
-    real = os.fsync
-
-    def fsync(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(code, os.strerror(code))
-        return real(fd)
-    monkeypatch.setattr(os, "fsync", fsync)
 
 
 def test_a_folder_whose_flush_failed_is_never_passed_over(tmp_path, monkeypatch):

@@ -16,6 +16,8 @@ pytest.importorskip("fastapi")
 
 from statekv.serve.store import StreamFiles  # noqa: E402
 
+from conftest import failing_folders  # noqa: E402
+
 
 def test_a_file_set_copied_into_the_quarantine_is_forced_to_the_device_before_its_original_goes(tmp_path,
                                                                                               monkeypatch):
@@ -66,14 +68,7 @@ def test_a_file_set_moved_whose_folders_could_not_be_forced_is_said_moved_not_le
     folder = tmp_path / "tier" / "s-5678abcd"
     folder.mkdir(parents=True)
     (folder / "journal").write_bytes(b"x" * 100)
-    fsync = os.fsync
-
-    def failing(fd):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", failing)
+    failing_folders(monkeypatch, errno.EIO)
     with caplog.at_level("WARNING", logger="statekv.serve"):
         where = files.move_to_quarantine(stream_id, folder)
     assert not folder.exists() and (tmp_path / "state" / where / "journal").read_bytes() == b"x" * 100
